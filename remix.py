@@ -15,7 +15,6 @@ After step T, reincarnate: the reference becomes pi_T and training is plain on-p
 """
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import json
@@ -34,6 +33,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this p
 import numpy as np
 import torch
 import tyro
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
 
@@ -93,8 +93,8 @@ class Args:
     """gradient-norm clip of both models"""
     mini_batch_prompts: int = 32
     """prompts whose responses form one mini-batch (one optimizer step)"""
-    micro_batch_size: int = 4
-    """responses per forward/backward; gradients accumulate over a mini-batch"""
+    micro_batch_size: int = 1
+    """responses per forward/backward, gradients accumulate over a mini-batch (1 fits 8k tokens; raise for short ones)"""
     temperature: float = 1.0
     """sampling temperature for training rollouts (log-probs use the same temperature)"""
     top_p: float = 1.0
@@ -105,10 +105,10 @@ class Args:
     """generation budget per response"""
     sampler: Literal["vllm", "hf"] = "vllm"
     """vllm (default) or transformers' generate, for machines without vLLM"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """GPU memory share vLLM may take, colocated with training in this process"""
-    vllm_sleep: bool = False
-    """free vLLM's weights and KV cache (sleep level 1) while training, when GPU memory is tight"""
+    vllm_gpu_memory_utilization: float = 0.25
+    """GPU memory share vLLM may take, colocated with training in this process (README: memory plan)"""
+    vllm_sleep: bool = True
+    """GPU only: free vLLM's weights and KV cache (sleep level 1) while training"""
     gradient_checkpointing: bool = True
     """recompute activations in the backward pass (saves memory on long responses)"""
     seed: int = 1
@@ -206,11 +206,6 @@ def grade_response(response: str, answer: str) -> tuple[float, str]:
 def math_reward(response: str, answer: str) -> float:
     """1.0 if the last \\boxed{} after </think> equals the gold answer under math-verify, else 0.0."""
     return grade_response(response, answer)[0]
-
-
-def self_reflection(response: str) -> bool:
-    lowered = response.lower()
-    return any(word in lowered for word in SELF_REFLECTION_WORDS)
 
 
 # ==============================================================================================
@@ -365,6 +360,19 @@ def load_problems(args: Args) -> list[tuple[str, str]]:
 
 
 # ----------------------------------------------------------------------------------------------
+# The replay deque: one entry per past step, holding that step's fresh groups (lists of samples)
+# ----------------------------------------------------------------------------------------------
+def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
+    """Uniformly draw n_groups whole groups from every batch in the deque, without replacement.
+
+    Decision: GRPO draws whole groups, so group statistics never mix fresh and old responses.
+    Fewer are returned when the deque holds fewer (it is empty on the first step).
+    """
+    stored = [group for batch in replay for group in batch]
+    return random.sample(stored, min(n_groups, len(stored)))
+
+
+# ----------------------------------------------------------------------------------------------
 # Models: the policy, the frozen reference, the critic; per-token log-probs and values
 # ----------------------------------------------------------------------------------------------
 def load_models(args: Args, device: torch.device):
@@ -415,29 +423,19 @@ def collate(samples: list[dict], pad_id: int, device) -> dict:
             "response_mask": attention_mask[:, prompt_len:].bool(), "prompt_len": prompt_len}
 
 
-def pad_tokens(values: list[torch.Tensor], length: int, device) -> torch.Tensor:
-    """Right-pad per-response vectors into [B, length]."""
-    out = torch.zeros(len(values), length, device=device)
-    for i, v in enumerate(values):
-        out[i, : len(v)] = v.to(device)
-    return out
-
-
 def autocast(device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def policy_forward(model, batch: dict, temperature: float, with_entropy: bool = False):
     """Log-prob of each response token under model, and the per-token entropy: [B, R] each."""
-    with autocast(batch["input_ids"].device):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"], use_cache=False).logits  # [B, P + R, V]
-    p = batch["prompt_len"]
-    logits = logits[:, p - 1 : -1].float() / temperature  # [B, R, V] position j predicts token j
+    resp_len = batch["response_mask"].shape[1]
+    with autocast(batch["input_ids"].device):  # logits of the prompt positions are never materialised
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                       position_ids=batch["position_ids"], logits_to_keep=resp_len + 1).logits  # [B, R + 1, V]
+    logits = logits[:, :-1].float() / temperature  # [B, R, V] position j predicts response token j
     log_probs = torch.log_softmax(logits, dim=-1)  # [B, R, V]
-    targets = batch["input_ids"][:, p:]  # [B, R]
+    targets = batch["input_ids"][:, batch["prompt_len"]:]  # [B, R]
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, R]
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # [B, R]
     return logp, entropy
@@ -509,8 +507,8 @@ def vllm_push_weights(llm, policy, vllm_sleep: bool) -> float:
 def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args: Args, device):
     """The same contract as vllm_generate with transformers' generate (plain sampling, no top-k)."""
     results = []
-    for i in range(0, len(prompts), max(1, args.micro_batch_size)):
-        chunk = [{"prompt_ids": p, "response_ids": []} for p in prompts[i : i + args.micro_batch_size]]
+    for i in range(0, len(prompts), args.mini_batch_prompts):
+        chunk = [{"prompt_ids": p, "response_ids": []} for p in prompts[i : i + args.mini_batch_prompts]]
         batch = collate(chunk, tokenizer.pad_token_id, device)
         policy.eval()
         with autocast(device):
@@ -558,6 +556,7 @@ def train(args: Args) -> dict:
     actor_optim = torch.optim.AdamW(policy.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay)
     critic_optim = None if critic is None else torch.optim.AdamW(
         critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+    args.vllm_sleep = args.vllm_sleep and device.type == "cuda"  # the CPU engine has no sleep mode
     llm = make_vllm(args, device) if args.sampler == "vllm" else None
     os.makedirs(args.out, exist_ok=True)
     from torch.utils.tensorboard import SummaryWriter
@@ -570,6 +569,7 @@ def train(args: Args) -> dict:
         wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), dir=args.out)
     metrics_file = open(os.path.join(args.out, "metrics.jsonl"), "w")
     pad_id = tokenizer.pad_token_id
+    logp_fn = functools.partial(lambda model, batch, temp: policy_forward(model, batch, temp)[0], temp=args.temperature)
     order = np.random.permutation(len(problems)).tolist()
     cursor = 0
 
@@ -589,7 +589,6 @@ def train(args: Args) -> dict:
                 fail(f"almost every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
         return chosen
 
-    # the replay deque: one entry per past step, a list of groups (lists of samples) of that step
     replay: collections.deque = collections.deque(maxlen=args.window)
     total_rollouts = total_tokens = 0
     group_counter = 0
@@ -631,44 +630,38 @@ def train(args: Args) -> dict:
             group_counter += 1
         fresh = [s for g in fresh_groups for s in g]
         # Decision: mu's log-probs are the trainer's, recomputed now, so the ratio has no engine mismatch
-        behaviour = per_token(lambda m, b: policy_forward(m, b, args.temperature)[0], policy, fresh,
-                              args.micro_batch_size, pad_id, device)
+        behaviour = per_token(logp_fn, policy, fresh, args.micro_batch_size, pad_id, device)
         for s, lp in zip(fresh, behaviour):
             s["behaviour_logp"] = lp
         total_rollouts += len(fresh)
         total_tokens += sum(len(s["response_ids"]) for s in fresh)
 
         # -- 4. mix in p*B historical samples: whole groups drawn uniformly from the last N batches
-        stored = [g for batch in replay for g in batch]
-        history_groups = random.sample(stored, min(n_history, len(stored)))
-        history = [s for g in history_groups for s in g]
+        history = [s for g in draw_history(replay, n_history) for s in g]
         if mixing:
             replay.append(fresh_groups)  # the deque stores fresh batches only and drops the oldest
         batch_samples = fresh + history
         # log pi_k on historical samples (fresh ones: pi_k = mu), reference log-probs (and values) on all
-        prox = per_token(lambda m, b: policy_forward(m, b, args.temperature)[0], policy, history,
-                         args.micro_batch_size, pad_id, device)
+        prox = per_token(logp_fn, policy, history, args.micro_batch_size, pad_id, device)
         for s, lp in zip(fresh, behaviour):
             s["prox_logp"] = lp
         for s, lp in zip(history, prox):
             s["prox_logp"] = lp
-        ref = per_token(lambda m, b: policy_forward(m, b, args.temperature)[0], reference, batch_samples,
-                        args.micro_batch_size, pad_id, device)
+        ref = per_token(logp_fn, reference, batch_samples, args.micro_batch_size, pad_id, device)
         values = (per_token(critic_forward, critic, batch_samples, args.micro_batch_size, pad_id, device)
                   if critic is not None else None)
 
         # -- 5. advantages with V-trace, recomputed with the current pi_k and critic ----------
         full = collate(batch_samples, pad_id, "cpu")
         mask = full["response_mask"]  # [B, R]
-        length = mask.shape[1]
-        behaviour_logp = pad_tokens([s["behaviour_logp"] for s in batch_samples], length, "cpu")  # [B, R]
-        prox_logp = pad_tokens([s["prox_logp"] for s in batch_samples], length, "cpu")  # [B, R]
-        ref_logp = pad_tokens(ref, length, "cpu")  # [B, R]
+        behaviour_logp = pad_sequence([s["behaviour_logp"] for s in batch_samples], batch_first=True)  # [B, R]
+        prox_logp = pad_sequence([s["prox_logp"] for s in batch_samples], batch_first=True)  # [B, R]
+        ref_logp = pad_sequence(ref, batch_first=True)  # [B, R]
         trace_c = truncated_trace(prox_logp, behaviour_logp, mask, args.vtrace_c_bar)  # [B, R]
         scores = torch.tensor([s["reward"] for s in batch_samples])  # [B]
         last = mask.sum(-1) - 1  # [B] index of each response's last token
         if critic is not None:
-            old_values = pad_tokens(values, length, "cpu")  # [B, R]
+            old_values = pad_sequence(values, batch_first=True)  # [B, R]
             rewards = torch.zeros_like(old_values).scatter_(1, last[:, None], scores[:, None])  # [B, R]
             advantages, value_targets = vtrace_advantages(rewards, old_values, trace_c, mask,
                                                           args.gamma, args.gae_lambda)
@@ -709,12 +702,11 @@ def train(args: Args) -> dict:
                     klc = kl_convex_loss(logp, take(ref_logp), take(prox_logp), lam, m_mask)
                     loss = pg_loss - args.ent_coef * ent + args.kl_beta * klc
                     (loss * weight).backward()
-                    stats["losses/policy_loss"].append(pg_loss.item())
-                    stats["losses/entropy"].append(ent.item())
-                    stats["losses/kl_convex"].append(klc.item())
-                    stats["losses/clipfrac"].append(pg_stats["clipfrac"])
-                    stats["kl/ref"].append(masked_mean(k3_kl(logp, take(ref_logp)), m_mask).item())
-                    stats["kl/prox"].append(masked_mean(k3_kl(logp, take(prox_logp)), m_mask).item())
+                    for key, value in (("losses/policy_loss", pg_loss), ("losses/entropy", ent),
+                                       ("losses/kl_convex", klc), ("losses/clipfrac", pg_stats["clipfrac"]),
+                                       ("kl/ref", masked_mean(k3_kl(logp, take(ref_logp)), m_mask)),
+                                       ("kl/prox", masked_mean(k3_kl(logp, take(prox_logp)), m_mask))):
+                        stats[key].append(float(value))
                     if critic is not None:
                         v = critic_forward(critic, mb)  # [b, r]
                         v_loss = clipped_value_loss(v, take(old_values), take(value_targets), m_mask, args.value_clip)
@@ -741,28 +733,29 @@ def train(args: Args) -> dict:
         lengths = [len(s["response_ids"]) for s in fresh]
         fresh_scores = torch.tensor([s["reward"] for s in fresh])
         group_std = [torch.tensor([s["reward"] for s in g]).std().item() if len(g) > 1 else 0.0 for g in fresh_groups]
-        hist_mask = mask[len(fresh):]
-        hist_ratio = torch.exp(prox_logp - behaviour_logp)[len(fresh):][hist_mask]
+        hist_ratio = torch.exp(prox_logp - behaviour_logp)[len(fresh):][mask[len(fresh):]]  # [tokens]
+        hist_ratio = hist_ratio if len(hist_ratio) else torch.ones(1)  # on-policy: every ratio is 1
         record = {
             "step": step,
             "phase": "mix" if mixing else "on-policy",
             "reward/mean": fresh_scores.mean().item(),
             "reward/std": fresh_scores.std().item() if len(fresh) > 1 else 0.0,
-            "reward/zero_std_groups": float(np.mean([s == 0.0 for s in group_std])),
+            "reward/zero_std_groups": float(np.mean([s == 0.0 for s in group_std])) if args.group_size > 1 else 0.0,
             "response/length_mean": float(np.mean(lengths)),
             "response/length_max": max(lengths),
             "response/truncated": float(np.mean([s["truncated"] for s in fresh])),
-            "response/self_reflection": float(np.mean([self_reflection(t) for t in texts])),
+            "response/self_reflection": float(np.mean([any(w in t.lower() for w in SELF_REFLECTION_WORDS)
+                                                        for t in texts])),
             **{k: float(np.mean(v)) for k, v in stats.items() if k != "train/optimizer_steps"},
             "train/optimizer_steps": len(stats["train/optimizer_steps"]),
             "train/utd": utd,
             "kl_convex/lambda": lam,
             "batch/fresh": len(fresh),
             "batch/historical": len(history),
-            "offpolicy/ratio_min": hist_ratio.min().item() if len(hist_ratio) else 1.0,
-            "offpolicy/ratio_mean": hist_ratio.mean().item() if len(hist_ratio) else 1.0,
-            "offpolicy/ratio_max": hist_ratio.max().item() if len(hist_ratio) else 1.0,
-            "offpolicy/trace_truncated": (hist_ratio > args.vtrace_c_bar).float().mean().item() if len(hist_ratio) else 0.0,
+            "offpolicy/ratio_min": hist_ratio.min().item(),
+            "offpolicy/ratio_mean": hist_ratio.mean().item(),
+            "offpolicy/ratio_max": hist_ratio.max().item(),
+            "offpolicy/trace_truncated": (hist_ratio > args.vtrace_c_bar).float().mean().item(),
             "replay/deque_size": len(replay),
             "replay/mean_age": float(np.mean([step - s["version"] for s in history])) if history else 0.0,
             "rollouts/total": total_rollouts,

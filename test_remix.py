@@ -1,0 +1,400 @@
+"""Tests of remix.py: each formula against an independent reference (a naive loop, a hand-worked
+example, an exact expectation), and the whole loop end to end on a tiny offline Qwen2 model with
+real vLLM (CPU build), real math-verify and real transformers.
+
+    pytest -q test_remix.py
+"""
+
+import collections
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import remix  # noqa: E402
+from tiny_model import build_tiny_model  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DATA = Path(os.environ.get("REMIX_DATA", HERE.parent / "shared" / "data"))
+TRAIN = DATA / "train" / "deepscaler_partial.jsonl"
+
+
+# ----------------------------------------------------------------------------------------------
+# Eq. 5: the KL-Convex schedule and the k3 estimator
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t, expected", [(1, 1.0), (50, 1.0), (51, 0.9), (60, 0.9), (61, 0.8),
+                                         (90, 0.6), (91, 0.5), (500, 0.5)])
+def test_kl_convex_lambda(t, expected):
+    assert remix.kl_convex_lambda(t) == pytest.approx(expected, abs=1e-12)
+
+
+def test_k3_kl_zero_when_equal_positive_otherwise_and_unbiased():
+    logp = torch.log(torch.tensor([[0.2, 0.5, 0.3]]))
+    assert torch.all(remix.k3_kl(logp, logp) == 0)
+    assert torch.all(remix.k3_kl(logp, logp + torch.tensor([[0.3, -0.2, 0.1]])) > 0)
+    # E_{x~p}[k3] = KL(p || q) exactly: check with many samples against the closed form
+    torch.manual_seed(0)
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    q = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    x = torch.multinomial(p, 400_000, replacement=True)
+    estimate = remix.k3_kl(p.log()[x], q.log()[x]).mean().item()
+    exact = (p * (p.log() - q.log())).sum().item()
+    assert estimate == pytest.approx(exact, rel=0.02)
+
+
+def test_kl_convex_loss_mixes_the_two_anchors():
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref, prox = torch.tensor([[-1.5, -1.0]]), torch.tensor([[-0.5, -2.5]])
+    mask = torch.tensor([[True, True]])
+    lam = 0.7
+    expected = sum(lam * (math.exp(r - p) - (r - p) - 1) + (1 - lam) * (math.exp(q - p) - (q - p) - 1)
+                   for p, r, q in [(-1.0, -1.5, -0.5), (-2.0, -1.0, -2.5)]) / 2
+    assert remix.kl_convex_loss(logp, ref, prox, lam, mask).item() == pytest.approx(expected, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Section 3: V-trace advantages
+# ----------------------------------------------------------------------------------------------
+def naive_vtrace(rewards, values, trace_c, lengths, gamma, lam):
+    """A_t as an explicit sum: sum_{j>=t} (gamma lam)^(j-t) (prod_{i=t+1..j} c_i) delta_j."""
+    batch, width = rewards.shape
+    adv = torch.zeros(batch, width, dtype=torch.float64)
+    targets = torch.zeros(batch, width, dtype=torch.float64)
+    for b in range(batch):
+        n = lengths[b]
+        for t in range(n):
+            total = 0.0
+            for j in range(t, n):
+                next_value = values[b, j + 1].item() if j + 1 < n else 0.0
+                delta = rewards[b, j].item() + gamma * next_value - values[b, j].item()
+                weight = (gamma * lam) ** (j - t)
+                for i in range(t + 1, j + 1):
+                    weight *= trace_c[b, i].item()
+                total += weight * delta
+            adv[b, t] = total
+            targets[b, t] = trace_c[b, t].item() * total + values[b, t].item()
+    return adv, targets
+
+
+def random_batch(seed, batch=5, width=7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [width, 1, 3, 6, 4][:batch]
+    mask = torch.tensor([[t < n for t in range(width)] for n in lengths])
+    rewards = torch.randn(batch, width, generator=g, dtype=torch.float64)
+    values = torch.randn(batch, width, generator=g, dtype=torch.float64)
+    trace_c = torch.rand(batch, width, generator=g, dtype=torch.float64).clamp(max=1.0)
+    return rewards, values, trace_c, mask, lengths
+
+
+@pytest.mark.parametrize("seed, gamma, lam", [(0, 1.0, 1.0), (1, 0.9, 0.95), (2, 1.0, 0.5)])
+def test_vtrace_matches_naive_double_loop(seed, gamma, lam):
+    rewards, values, trace_c, mask, lengths = random_batch(seed)
+    adv, targets = remix.vtrace_advantages(rewards, values, trace_c, mask, gamma, lam)
+    ref_adv, ref_targets = naive_vtrace(rewards, values, trace_c, lengths, gamma, lam)
+    torch.testing.assert_close(adv, ref_adv, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(targets, ref_targets, rtol=1e-10, atol=1e-10)
+
+
+def test_vtrace_with_unit_traces_is_gae():
+    rewards, values, _, mask, lengths = random_batch(3)
+    gamma, lam = 0.99, 0.9
+    adv, targets = remix.vtrace_advantages(rewards, values, torch.ones_like(values), mask, gamma, lam)
+    for b, n in enumerate(lengths):  # textbook GAE, backwards
+        running = 0.0
+        for t in reversed(range(n)):
+            next_value = values[b, t + 1].item() if t + 1 < n else 0.0
+            running = rewards[b, t].item() + gamma * next_value - values[b, t].item() + gamma * lam * running
+            assert adv[b, t].item() == pytest.approx(running, abs=1e-10)
+            assert targets[b, t].item() == pytest.approx(running + values[b, t].item(), abs=1e-10)
+    assert torch.all(adv[~mask] == 0)
+
+
+def test_vtrace_three_tokens_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    trace_c = torch.tensor([[1.0, 0.5, 0.8]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    adv, targets = remix.vtrace_advantages(rewards, values, trace_c, mask)
+    # A3 = 1 - 0.7; A2 = (0.7 - 0.6) + 0.8 * 0.3; A1 = (0.6 - 0.5) + 0.5 * 0.34
+    torch.testing.assert_close(adv, torch.tensor([[0.27, 0.34, 0.3]]))
+    torch.testing.assert_close(targets, torch.tensor([[0.77, 0.77, 0.94]]))
+
+
+def test_truncated_trace():
+    prox = torch.tensor([[-1.0, -1.0, -3.0]])
+    behaviour = torch.tensor([[-2.0, -1.0, -2.0]])
+    mask = torch.tensor([[True, True, False]])
+    c = remix.truncated_trace(prox, behaviour, mask, c_bar=1.0)
+    torch.testing.assert_close(c, torch.tensor([[1.0, 1.0, 1.0]]))  # e^1 truncated to 1; pad is 1
+    c = remix.truncated_trace(behaviour, prox, mask, c_bar=1.0)
+    assert c[0, 0].item() == pytest.approx(math.exp(-1.0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Section 3: GRPO group advantages and their V-trace product form
+# ----------------------------------------------------------------------------------------------
+def test_group_advantages_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 2, 3])
+    adv = remix.group_advantages(scores, groups)
+    s = 1 / (math.sqrt(0.5) + 1e-6)  # unbiased std of (1, 0) is sqrt(0.5); mean 0.5
+    expected = torch.tensor([0.5 * s, -0.5 * s, -0.5 * s, 0.5 * s, 0.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(adv, expected)
+    # three members (1, 2, 4): mean 7/3, unbiased std sqrt(7/3)
+    adv = remix.group_advantages(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([5, 5, 5]))
+    mean, std = 7 / 3, math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2)
+    torch.testing.assert_close(adv, torch.tensor([(x - mean) / (std + 1e-6) for x in (1.0, 2.0, 4.0)]))
+
+
+def test_grpo_vtrace_product_form():
+    g = torch.Generator().manual_seed(7)
+    lengths = [5, 2, 4]
+    mask = torch.tensor([[t < n for t in range(5)] for n in lengths])
+    trace_c = torch.rand(3, 5, generator=g, dtype=torch.float64)
+    a_hat = torch.tensor([0.7, -1.2, 0.4], dtype=torch.float64)
+    rewards = torch.zeros(3, 5, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        rewards[b, n - 1] = a_hat[b]
+    adv, _ = remix.vtrace_advantages(rewards, torch.zeros_like(rewards), trace_c, mask)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            product = math.prod(trace_c[b, i].item() for i in range(t + 1, n))
+            assert adv[b, t].item() == pytest.approx(product * a_hat[b].item(), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# Eq. 4: Mix-PPG
+# ----------------------------------------------------------------------------------------------
+def test_mix_ppg_is_ppo_clip_on_fresh_samples():
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=g) * 3
+    new = old + 0.4 * torch.randn(4, 6, generator=g)
+    adv = torch.randn(4, 6, generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+    loss, stats = remix.mix_ppg_loss(new, old, old, adv, mask, eps=0.2)
+    total, count, clipped = 0.0, 0, 0
+    for b in range(4):
+        for t in range(6):
+            if mask[b, t]:
+                ratio = math.exp(new[b, t] - old[b, t])
+                a = adv[b, t].item()
+                total += min(ratio * a, min(max(ratio, 0.8), 1.2) * a)
+                count += 1
+                clipped += abs(ratio - 1) > 0.2
+    assert loss.item() == pytest.approx(-total / count, rel=1e-5)
+    assert stats["clipfrac"] == pytest.approx(clipped / count)
+
+
+def grad_of_mix_ppg(ratio: float, centre: float, advantage: float) -> float:
+    behaviour = torch.tensor([[-1.0]])
+    prox = behaviour + math.log(centre)
+    logp = (behaviour + math.log(ratio)).requires_grad_(True)
+    loss, _ = remix.mix_ppg_loss(logp, behaviour, prox, torch.tensor([[advantage]]), torch.tensor([[True]]), 0.2)
+    loss.backward()
+    return logp.grad.item()
+
+
+def test_mix_ppg_clip_is_centred_at_prox_over_behaviour():
+    # c = pi_k / mu = 0.5: the trust region is [0.3, 0.7], not PPO's [0.8, 1.2]
+    assert grad_of_mix_ppg(ratio=0.6, centre=0.5, advantage=1.0) == pytest.approx(-0.6)  # inside: -r A
+    assert grad_of_mix_ppg(ratio=0.8, centre=0.5, advantage=1.0) == 0.0  # above c + eps, A pushes up
+    assert grad_of_mix_ppg(ratio=1.0, centre=0.5, advantage=1.0) == 0.0  # inside PPO's, outside ours
+    assert grad_of_mix_ppg(ratio=0.2, centre=0.5, advantage=-1.0) == 0.0  # below c - eps, A pushes down
+    assert grad_of_mix_ppg(ratio=0.8, centre=0.5, advantage=-1.0) == pytest.approx(0.8)  # pessimistic side
+    assert grad_of_mix_ppg(ratio=0.2, centre=0.5, advantage=1.0) == pytest.approx(-0.2)
+
+
+def test_clipped_value_loss_by_hand():
+    v, old, target = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[2.0, 0.4]])
+    mask = torch.tensor([[True, True]])
+    # token 1: unclipped (1-2)^2 = 1, clipped (0.5-2)^2 = 2.25 -> 2.25; token 2: 0.16 both
+    assert remix.clipped_value_loss(v, old, target, mask, 0.5).item() == pytest.approx(0.5 * (2.25 + 0.16) / 2)
+
+
+def test_whiten():
+    x = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    w = remix.whiten(x, mask)
+    vals = w[mask]
+    assert vals.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert (vals ** 2).mean().item() == pytest.approx(1.0, rel=1e-4)
+    assert w[~mask].abs().sum() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Section 7: reward
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("response, answer, expected", [
+    ("so the answer is \\boxed{204}.", "204", 1.0),
+    ("so the answer is \\boxed{205}.", "204", 0.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),  # nested braces, equivalent forms
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),
+    ("first \\boxed{3}, then \\boxed{4}", "4", 1.0),  # the last box wins
+    ("first \\boxed{4}, then \\boxed{3}", "4", 0.0),
+    ("<think>maybe \\boxed{7}</think> final: \\boxed{8}", "8", 1.0),  # after </think>
+    ("<think>it is \\boxed{8}</think> so the answer is 9", "8", 0.0),  # boxed only inside the thought
+    ("no box here: 204", "204", 0.0),
+    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
+    ("unbalanced \\boxed{\\frac{1}{2}", "0.5", 0.0),
+])
+def test_math_reward(response, answer, expected):
+    assert remix.math_reward(response, answer) == expected
+
+
+def test_grade_response_reports_status():
+    assert remix.grade_response("\\boxed{1}", "1") == (1.0, "ok")
+    assert remix.grade_response("nothing", "1") == (0.0, "no_boxed")
+    assert remix.last_boxed("a \\boxed{x^{2}} b") == "x^{2}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The replay deque
+# ----------------------------------------------------------------------------------------------
+def test_draw_history_takes_whole_groups_from_the_window():
+    replay = collections.deque(maxlen=2)
+    for step in (1, 2, 3):
+        replay.append([[{"version": step, "group": 10 * step + g, "i": i} for i in range(4)] for g in range(3)])
+    assert [batch[0][0]["version"] for batch in replay] == [2, 3]  # step 1 evicted
+    drawn = remix.draw_history(replay, 4)
+    assert len(drawn) == 4 and len({id(g) for g in drawn}) == 4  # without replacement
+    for group in drawn:
+        assert [s["i"] for s in group] == [0, 1, 2, 3] and len({s["group"] for s in group}) == 1
+        assert group[0]["version"] in (2, 3)
+    assert len(remix.draw_history(replay, 50)) == 6
+    assert remix.draw_history(collections.deque(maxlen=2), 3) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end on a tiny offline Qwen2 model
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "qwen2"))
+
+
+@pytest.fixture(scope="session")
+def train_file(tmp_path_factory):
+    """Short problems from the shared DeepScaleR part keep the byte-level prompts small."""
+    assert TRAIN.exists(), f"training data not found at {TRAIN}; set REMIX_DATA to shared/data"
+    rows = [json.loads(line) for line in TRAIN.open()]
+    short = [r for r in rows if len(r["problem"]) < 120][:64]
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in short))
+    return str(path)
+
+
+def tiny_args(model, data, out, **overrides) -> remix.Args:
+    base = dict(model=model, dataset=data, out=str(out), steps=3, prompts_per_step=10, max_response_tokens=24,
+                mini_batch_prompts=4, micro_batch_size=8, sampler="hf", save_every=0, seed=3)
+    base.update(overrides)
+    return remix.Args(**base)
+
+
+def read_metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+
+
+def test_ppo_hf_batch_mix_and_utd(tiny_model, train_file, tmp_path):
+    # B = 10, p = 0.4: 6 fresh + 4 historical once history exists; 3 passes -> 3 x ceil(10 / 4) steps
+    state = remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="ppo", utd=3, window=2, steps=4))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(6, 0), (6, 4), (6, 4), (6, 4)]
+    assert [r["train/optimizer_steps"] for r in rows] == [3 * 2, 3 * 3, 3 * 3, 3 * 3]  # ceil(6/4), ceil(10/4)
+    assert [r["rollouts/total"] for r in rows] == [6, 12, 18, 24]
+    assert [batch[0][0]["version"] for batch in state["replay"]] == [3, 4]  # the oldest batch evicted
+    assert all(1.0 <= r["replay/mean_age"] <= 2.0 for r in rows[1:])
+    assert 0 < rows[-1]["offpolicy/ratio_min"] <= rows[-1]["offpolicy/ratio_max"]
+    for key in ("losses/value_loss", "losses/policy_loss", "kl/ref", "losses/clipfrac", "perf/step_s"):
+        assert all(math.isfinite(r[key]) for r in rows)
+    # utd = 1 gives a third of the optimizer steps on the same batches
+    remix.train(tiny_args(tiny_model, train_file, tmp_path / "utd1", algo="ppo", utd=1, window=2, steps=4))
+    assert [r["train/optimizer_steps"] for r in read_metrics(tmp_path / "utd1")] == [2, 3, 3, 3]
+
+
+def test_grpo_reincarnation(tiny_model, train_file, tmp_path):
+    args = tiny_args(tiny_model, train_file, tmp_path, algo="grpo", prompts_per_step=5, group_size=2,
+                     mini_batch_prompts=2, reincarnate_step=2, steps=3, save_every=1, actor_lr=1e-3)
+    state = remix.train(args)
+    rows = read_metrics(tmp_path)
+    # 5 prompts, p = 0.4 -> 3 fresh groups (6 responses) + 2 whole historical groups (4 responses)
+    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(6, 0), (6, 4), (10, 0)]
+    assert [r["phase"] for r in rows] == ["mix", "mix", "on-policy"]
+    assert [r["train/utd"] for r in rows] == [2, 2, 1]
+    assert rows[2]["train/optimizer_steps"] == 3  # ceil(10 / 4), one pass
+    assert len(state["replay"]) == 0
+    # the reference is pi_T: the policy saved at step T = 2, not the base model nor the final policy
+    from transformers import AutoModelForCausalLM
+
+    pi_t = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-2")).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    ref = state["reference"].state_dict()
+    assert all(torch.equal(ref[k], pi_t[k]) for k in pi_t)
+    assert any(not torch.equal(ref[k], base[k]) for k in base)
+
+
+def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
+    """Real vLLM: every step logged, the pushed weights are the trainer's, checkpoints reload."""
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = tmp_path / "ppo"
+    state = remix.train(tiny_args(tiny_model, train_file, out, algo="ppo", sampler="vllm", actor_lr=1e-3))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["perf/weight_sync_s"] > 0 for r in rows)
+    llm, policy, tokenizer = state["llm"], state["policy"], state["tokenizer"]
+    prompt = remix.build_prompt(tokenizer, "What is 1+1?")
+
+    def engine_vs(model, engine):
+        gen = engine.generate([TokensPrompt(prompt_token_ids=prompt)],
+                              SamplingParams(n=4, temperature=1.0, max_tokens=24, logprobs=0, seed=0), use_tqdm=False)
+        diffs = []
+        for c in gen[0].outputs:
+            sample = {"prompt_ids": prompt, "response_ids": list(c.token_ids)}
+            mine, _ = remix.policy_forward(model, remix.collate([sample], tokenizer.pad_token_id, "cpu"), 1.0)
+            theirs = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
+            diffs.append((mine[0].detach() - theirs).abs().max().item())
+        return max(diffs)
+
+    with torch.no_grad():
+        assert engine_vs(policy, llm) < 1e-4  # after the last push the engine is the trainer
+        base = AutoModelForCausalLM.from_pretrained(tiny_model)
+        assert engine_vs(base, llm) > 1e-3  # and it is not the base model any more
+    # the checkpoint reloads in transformers (same logits) and in vLLM (same log-probs)
+    ckpt = out / "checkpoint-3"
+    reloaded = AutoModelForCausalLM.from_pretrained(str(ckpt))
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), policy.state_dict().values()))
+    assert (ckpt / "critic" / "config.json").exists()
+    del state, llm
+    engine = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
+    with torch.no_grad():
+        assert engine_vs(reloaded, engine) < 1e-4
+    del engine
+
+    out = tmp_path / "grpo"
+    remix.train(tiny_args(tiny_model, train_file, out, algo="grpo", sampler="vllm", prompts_per_step=4, group_size=4))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(8, 0), (8, 8), (8, 8)]
+
+
+def test_cli_runs_and_rejects_bad_flags(tiny_model, train_file, tmp_path):
+    cmd = [sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
+           "--out", str(tmp_path / "cli"), "--steps", "1", "--prompts-per-step", "4", "--max-response-tokens", "8",
+           "--sampler", "hf"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(read_metrics(tmp_path / "cli")) == 1
+    bad = subprocess.run(cmd[:-2] + ["--off-policy-p", "1.5"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--off-policy-p must be in [0, 1)" in bad.stderr
+    assert "Traceback" not in bad.stderr
