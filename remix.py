@@ -14,14 +14,15 @@ After step T, reincarnate: the reference becomes pi_T and training is plain on-p
     python remix.py --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --steps 350
 """
 
+import atexit
 import collections
 import dataclasses
 import functools
 import json
 import math
+import multiprocessing
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -89,6 +90,10 @@ class Args:
     """critic learning rate (constant)"""
     weight_decay: float = 0.01
     """AdamW weight decay of both optimizers (verl's default)"""
+    grader_workers: int = 2
+    """processes that grade answers with math-verify"""
+    grade_timeout: float = 20.0
+    """seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of both models"""
     mini_batch_prompts: int = 32
@@ -119,8 +124,6 @@ class Args:
     """save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
     track: bool = False
     """log to Weights & Biases as well"""
-    wandb_project: str = "remix"
-    """the wandb project name"""
 
 
 def fail(message: str):
@@ -135,17 +138,16 @@ def finalize_args(args: Args) -> Args:
         args.prompts_per_step = 256 if args.algo == "ppo" else 128
     if args.group_size is None:
         args.group_size = 1 if args.algo == "ppo" else 8
-    if not 0.0 <= args.off_policy_p < 1.0:
-        fail(f"--off-policy-p must be in [0, 1), got {args.off_policy_p}")
-    for name in ("window", "utd", "steps", "prompts_per_step", "group_size", "mini_batch_prompts", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.reincarnate_step < 0:
-        fail(f"--reincarnate-step must be >= 0, got {args.reincarnate_step}")
-    if args.max_response_tokens < 1:
-        fail(f"--max-response-tokens must be at least 1, got {args.max_response_tokens}")
-    if args.algo == "grpo" and args.group_size < 2:
-        fail("--algo grpo needs --group-size >= 2: a group of one always has advantage 0")
+    checks = [(0.0 <= args.off_policy_p < 1.0, f"--off-policy-p must be in [0, 1), got {args.off_policy_p}"),
+              (args.reincarnate_step >= 0, f"--reincarnate-step must be >= 0, got {args.reincarnate_step}"),
+              (args.algo == "ppo" or args.group_size >= 2, "--algo grpo needs --group-size >= 2 (a group of one "
+                                                           "always has advantage 0)")]
+    checks += [(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+               for name in ("window", "utd", "steps", "prompts_per_step", "group_size", "mini_batch_prompts",
+                            "micro_batch_size", "max_response_tokens", "grader_workers")]
+    for ok, message in checks:
+        if not ok:
+            fail(message)
     return args
 
 
@@ -186,12 +188,17 @@ def parse_boxed(expression: str):
     return parse("\\boxed{" + expression + "}", raise_on_error=True)
 
 
+def final_answer(response: str) -> str | None:
+    """The last \\boxed{} of the text after </think>, or of the whole text when there is no </think>."""
+    return last_boxed(response.partition("</think>")[2] if "</think>" in response else response)
+
+
 def grade_response(response: str, answer: str) -> tuple[float, str]:
     """(reward, status), status in ok | no_boxed | unparsable | error. Timeouts need the main thread."""
     from math_verify import verify
+    from math_verify.errors import TimeoutException
 
-    final = response.partition("</think>")[2] if "</think>" in response else response
-    predicted = last_boxed(final)
+    predicted = final_answer(response)
     if predicted is None:
         return 0.0, "no_boxed"
     try:
@@ -199,13 +206,50 @@ def grade_response(response: str, answer: str) -> tuple[float, str]:
         if not gold or not pred:
             return 0.0, "unparsable"
         return float(verify(gold, pred, raise_on_error=True)), "ok"  # gold first: the order matters
-    except Exception:  # a timeout or a sympy failure: wrong, and counted by the caller
+    except (Exception, TimeoutException):  # math-verify's timeout is a BaseException: wrong, and counted
         return 0.0, "error"
 
 
 def math_reward(response: str, answer: str) -> float:
     """1.0 if the last \\boxed{} after </think> equals the gold answer under math-verify, else 0.0."""
     return grade_response(response, answer)[0]
+
+
+def grade_any(response: str, answers: list[str]) -> tuple[float, str]:
+    """The best grade over the accepted forms of the answer (Minerva lists several)."""
+    graded = [grade_response(response, answer) for answer in answers]
+    return max(graded, key=lambda g: g[0])
+
+
+_grader_pool = None
+
+
+def grade_many(items: list[tuple[str, list[str]]], workers: int = 2, timeout: float = 20.0) -> list[tuple]:
+    """grade_any over (response, answers) items in worker processes. An answer still running `timeout`
+    seconds after its turn came is a failure (status "timeout"): some inputs hang inside C code where
+    math-verify's alarm never fires, so the pool is killed and the rest go to a fresh one."""
+    global _grader_pool
+    results: list = [None] * len(items)
+    todo = list(range(len(items)))
+    while todo:
+        if _grader_pool is None:  # spawn: never fork a process that holds vLLM's and torch's threads
+            _grader_pool = multiprocessing.get_context("spawn").Pool(workers)
+            atexit.register(_grader_pool.terminate)
+        jobs = [(i, _grader_pool.apply_async(grade_any, items[i])) for i in todo]
+        todo = []
+        for position, (i, job) in enumerate(jobs):
+            try:
+                results[i] = job.get(timeout=timeout)
+            except multiprocessing.TimeoutError:
+                results[i] = (0.0, "timeout")
+                rest = jobs[position + 1 :]
+                for j, other in rest:
+                    results[j] = other.get() if other.ready() else None
+                todo = [j for j, _ in rest if results[j] is None]
+                _grader_pool.terminate()
+                _grader_pool = None
+                break
+    return results
 
 
 # ==============================================================================================
@@ -320,9 +364,7 @@ def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.
     return 0.5 * masked_mean(torch.maximum((values - value_targets) ** 2, (clipped - value_targets) ** 2), mask)
 
 
-# ==============================================================================================
-# end of ALGO LOGIC
-# ==============================================================================================
+# ======================================= end of ALGO LOGIC ====================================
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,33 +372,35 @@ def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.
 # ----------------------------------------------------------------------------------------------
 def load_problems(args: Args) -> list[tuple[str, str]]:
     """(problem, answer) pairs from a hub dataset or a local .jsonl/.json/.parquet file."""
+    import datasets
+
     path = args.dataset
-    if path.endswith((".jsonl", ".json", ".parquet")) or os.path.exists(path):
-        if not os.path.isfile(path):
-            fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id")
-        if path.endswith(".parquet"):
-            import pandas as pd
+    local = path.endswith((".jsonl", ".json", ".parquet"))
+    if local and not os.path.isfile(path):
+        fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id")
+    try:
+        rows = datasets.load_dataset("parquet" if path.endswith(".parquet") else "json", data_files=path,
+                                     split="train") if local else datasets.load_dataset(path, split="train")
+    except Exception as error:  # the library's own message says what is wrong with the file
+        fail(f"cannot read dataset {path!r}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+    missing = [key for key in (args.problem_key, args.answer_key) if key not in rows.column_names]
+    if missing or len(rows) == 0:
+        fail(f"dataset {path!r} has {len(rows)} rows and the columns {rows.column_names}; it needs rows with "
+             f"{args.problem_key!r} and {args.answer_key!r} (set --problem-key/--answer-key)")
+    return list(zip(map(str, rows[args.problem_key]), map(str, rows[args.answer_key])))
 
-            rows = pd.read_parquet(path).to_dict("records")
-        else:
-            with open(path) as f:
-                text = f.read()
-            try:
-                rows = json.loads(text) if text.lstrip().startswith("[") else [
-                    json.loads(line) for line in text.splitlines() if line.strip()]
-            except json.JSONDecodeError as error:
-                fail(f"dataset file {path!r} is not valid JSON/JSONL ({error})")
-    else:
-        import datasets
 
-        rows = list(datasets.load_dataset(path, split="train"))
-    if not rows:
-        fail(f"dataset {path!r} is empty")
-    missing = [key for key in (args.problem_key, args.answer_key) if key not in rows[0]]
-    if missing:
-        fail(f"dataset {path!r} has no column {missing}; it has {sorted(rows[0])}: "
-             f"set --problem-key/--answer-key")
-    return [(str(row[args.problem_key]), str(row[args.answer_key])) for row in rows]
+def prompt_stream(problems: list[tuple[str, str]], tokenizer, max_prompt_tokens: int):
+    """(prompt ids, answer) from shuffled passes over the data, forever; too-long prompts are skipped."""
+    while True:
+        kept = 0
+        for index in np.random.permutation(len(problems)):
+            ids = build_prompt(tokenizer, problems[index][0])
+            if len(ids) <= max_prompt_tokens:
+                kept += 1
+                yield ids, problems[index][1]
+        if kept == 0:
+            fail(f"every prompt is longer than --max-prompt-tokens {max_prompt_tokens}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,14 +521,14 @@ def make_vllm(args: Args, device):
                **extra)
 
 
-def vllm_generate(llm, prompts: list[list[int]], n: int, args: Args) -> list[list[tuple[list[int], str]]]:
+def vllm_generate(llm, prompts: list[list[int]], n: int, args: Args, use_tqdm: bool = False):
     """n responses per prompt: [[(token_ids, finish_reason), ...] per prompt]; EOS stays in token_ids."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p, top_k=0,
                             max_tokens=args.max_response_tokens)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=use_tqdm)
     return [[(list(c.token_ids), c.finish_reason) for c in o.outputs] for o in outputs]
 
 
@@ -497,15 +541,17 @@ def vllm_push_weights(llm, policy, vllm_sleep: bool) -> float:
     if policy.config.tie_word_embeddings:  # the engine keeps its own output layer: send it too
         state["lm_head.weight"] = policy.get_input_embeddings().weight
     dtype = llm.llm_engine.model_config.dtype
-    weights = [(name, tensor.detach().to(dtype)) for name, tensor in state.items()]
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+    weights = ((name, tensor.detach().to(dtype)) for name, tensor in state.items())  # converted one at a time
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
     return time.perf_counter() - start
 
 
 @torch.no_grad()
 def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args: Args, device):
-    """The same contract as vllm_generate with transformers' generate (plain sampling, no top-k)."""
+    """The same contract as vllm_generate with transformers' generate (no top-k; temperature 0 is greedy)."""
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
+        if args.temperature > 0 else dict(do_sample=False)
     results = []
     for i in range(0, len(prompts), args.mini_batch_prompts):
         chunk = [{"prompt_ids": p, "response_ids": []} for p in prompts[i : i + args.mini_batch_prompts]]
@@ -513,15 +559,12 @@ def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args: Args,
         policy.eval()
         with autocast(device):
             sequences = policy.generate(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True,
-                temperature=args.temperature, top_p=args.top_p, top_k=0, num_return_sequences=n,
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_return_sequences=n,
                 max_new_tokens=args.max_response_tokens, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id)  # [b * n, P + new]
+                eos_token_id=tokenizer.eos_token_id, **sampling)  # [b * n, P + new]
         for row in sequences[:, batch["prompt_len"]:].tolist():
-            if tokenizer.eos_token_id in row:
-                results.append((row[: row.index(tokenizer.eos_token_id) + 1], "stop"))
-            else:
-                results.append((row, "length"))
+            stop = tokenizer.eos_token_id in row
+            results.append((row[: row.index(tokenizer.eos_token_id) + 1], "stop") if stop else (row, "length"))
     return [results[k * n : (k + 1) * n] for k in range(len(prompts))]
 
 
@@ -566,29 +609,14 @@ def train(args: Args) -> dict:
     if args.track:
         import wandb
 
-        wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), dir=args.out)
+        wandb.init(project=os.environ.get("WANDB_PROJECT", "remix"), config=dataclasses.asdict(args), dir=args.out)
     metrics_file = open(os.path.join(args.out, "metrics.jsonl"), "w")
     pad_id = tokenizer.pad_token_id
-    logp_fn = functools.partial(lambda model, batch, temp: policy_forward(model, batch, temp)[0], temp=args.temperature)
-    order = np.random.permutation(len(problems)).tolist()
-    cursor = 0
 
-    def next_prompts(count: int) -> list[tuple[list[int], str]]:
-        """The next `count` problems of a shuffled, repeating pass over the data; long prompts skipped."""
-        nonlocal cursor, order
-        chosen, skipped = [], 0
-        while len(chosen) < count:
-            if cursor == len(order):
-                order, cursor = np.random.permutation(len(problems)).tolist(), 0
-            problem, answer = problems[order[cursor]]
-            cursor += 1
-            ids = build_prompt(tokenizer, problem)
-            if len(ids) <= args.max_prompt_tokens:
-                chosen.append((ids, answer))
-            elif (skipped := skipped + 1) > 100 * count:
-                fail(f"almost every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens}")
-        return chosen
+    def logp_fn(model, batch):
+        return policy_forward(model, batch, args.temperature)[0]
 
+    prompts_source = prompt_stream(problems, tokenizer, args.max_prompt_tokens)
     replay: collections.deque = collections.deque(maxlen=args.window)
     total_rollouts = total_tokens = 0
     group_counter = 0
@@ -603,7 +631,7 @@ def train(args: Args) -> dict:
         n_history = args.prompts_per_step - n_fresh
 
         # -- 1. sample (1-p)*B fresh responses from pi_k -------------------------------------
-        prompts = next_prompts(n_fresh)
+        prompts = [next(prompts_source) for _ in range(n_fresh)]
         gen_start = time.perf_counter()
         if llm is not None:
             generations = vllm_generate(llm, [ids for ids, _ in prompts], args.group_size, args)
@@ -614,25 +642,22 @@ def train(args: Args) -> dict:
         gen_seconds = time.perf_counter() - gen_start
 
         # -- 2. score, and 3. behaviour log-probs from the trainer, stored with the version ----
-        fresh_groups, grader = [], collections.Counter()
-        texts = []
-        for (prompt_ids, answer), group in zip(prompts, generations):
-            samples = []
-            for response_ids, finish in group:
-                text = tokenizer.decode(response_ids, skip_special_tokens=True)
-                reward, status = grade_response(text, answer)
-                grader[status] += 1
-                texts.append(text)
-                samples.append({"prompt_ids": prompt_ids, "response_ids": response_ids or [pad_id],
-                                "reward": reward, "truncated": finish == "length", "version": step,
-                                "group": group_counter})
-            fresh_groups.append(samples)
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for group in generations for ids, _ in group]
+        answers = [[answer] for _, answer in prompts for _ in range(args.group_size)]
+        grades = grade_many(list(zip(texts, answers)), args.grader_workers, args.grade_timeout)
+        grader = collections.Counter(status for _, status in grades)
+        fresh_groups, fresh = [], []
+        for (prompt_ids, _), group in zip(prompts, generations):
             group_counter += 1
-        fresh = [s for g in fresh_groups for s in g]
+            fresh_groups.append([{"prompt_ids": prompt_ids, "response_ids": ids or [pad_id], "version": step,
+                                  "truncated": finish == "length", "group": group_counter} for ids, finish in group])
+            fresh += fresh_groups[-1]
+        for sample, (reward, _) in zip(fresh, grades):
+            sample["reward"] = reward
         # Decision: mu's log-probs are the trainer's, recomputed now, so the ratio has no engine mismatch
         behaviour = per_token(logp_fn, policy, fresh, args.micro_batch_size, pad_id, device)
-        for s, lp in zip(fresh, behaviour):
-            s["behaviour_logp"] = lp
+        for sample, logp in zip(fresh, behaviour):
+            sample["behaviour_logp"] = logp
         total_rollouts += len(fresh)
         total_tokens += sum(len(s["response_ids"]) for s in fresh)
 
@@ -641,21 +666,16 @@ def train(args: Args) -> dict:
         if mixing:
             replay.append(fresh_groups)  # the deque stores fresh batches only and drops the oldest
         batch_samples = fresh + history
-        # log pi_k on historical samples (fresh ones: pi_k = mu), reference log-probs (and values) on all
-        prox = per_token(logp_fn, policy, history, args.micro_batch_size, pad_id, device)
-        for s, lp in zip(fresh, behaviour):
-            s["prox_logp"] = lp
-        for s, lp in zip(history, prox):
-            s["prox_logp"] = lp
+        # log pi_k on historical samples (on fresh ones pi_k = mu), reference log-probs (and values) on all
+        prox = behaviour + per_token(logp_fn, policy, history, args.micro_batch_size, pad_id, device)
         ref = per_token(logp_fn, reference, batch_samples, args.micro_batch_size, pad_id, device)
         values = (per_token(critic_forward, critic, batch_samples, args.micro_batch_size, pad_id, device)
                   if critic is not None else None)
 
         # -- 5. advantages with V-trace, recomputed with the current pi_k and critic ----------
-        full = collate(batch_samples, pad_id, "cpu")
-        mask = full["response_mask"]  # [B, R]
+        mask = collate(batch_samples, pad_id, "cpu")["response_mask"]  # [B, R]
         behaviour_logp = pad_sequence([s["behaviour_logp"] for s in batch_samples], batch_first=True)  # [B, R]
-        prox_logp = pad_sequence([s["prox_logp"] for s in batch_samples], batch_first=True)  # [B, R]
+        prox_logp = pad_sequence(prox, batch_first=True)  # [B, R]
         ref_logp = pad_sequence(ref, batch_first=True)  # [B, R]
         trace_c = truncated_trace(prox_logp, behaviour_logp, mask, args.vtrace_c_bar)  # [B, R]
         scores = torch.tensor([s["reward"] for s in batch_samples])  # [B]
@@ -736,34 +756,26 @@ def train(args: Args) -> dict:
         hist_ratio = torch.exp(prox_logp - behaviour_logp)[len(fresh):][mask[len(fresh):]]  # [tokens]
         hist_ratio = hist_ratio if len(hist_ratio) else torch.ones(1)  # on-policy: every ratio is 1
         record = {
-            "step": step,
-            "phase": "mix" if mixing else "on-policy",
+            "step": step, "phase": "mix" if mixing else "on-policy", "kl_convex/lambda": lam, "train/utd": utd,
             "reward/mean": fresh_scores.mean().item(),
             "reward/std": fresh_scores.std().item() if len(fresh) > 1 else 0.0,
             "reward/zero_std_groups": float(np.mean([s == 0.0 for s in group_std])) if args.group_size > 1 else 0.0,
-            "response/length_mean": float(np.mean(lengths)),
-            "response/length_max": max(lengths),
+            "response/length_mean": float(np.mean(lengths)), "response/length_max": max(lengths),
             "response/truncated": float(np.mean([s["truncated"] for s in fresh])),
             "response/self_reflection": float(np.mean([any(w in t.lower() for w in SELF_REFLECTION_WORDS)
                                                         for t in texts])),
             **{k: float(np.mean(v)) for k, v in stats.items() if k != "train/optimizer_steps"},
             "train/optimizer_steps": len(stats["train/optimizer_steps"]),
-            "train/utd": utd,
-            "kl_convex/lambda": lam,
-            "batch/fresh": len(fresh),
-            "batch/historical": len(history),
-            "offpolicy/ratio_min": hist_ratio.min().item(),
-            "offpolicy/ratio_mean": hist_ratio.mean().item(),
+            "batch/fresh": len(fresh), "batch/historical": len(history),
+            "offpolicy/ratio_min": hist_ratio.min().item(), "offpolicy/ratio_mean": hist_ratio.mean().item(),
             "offpolicy/ratio_max": hist_ratio.max().item(),
             "offpolicy/trace_truncated": (hist_ratio > args.vtrace_c_bar).float().mean().item(),
             "replay/deque_size": len(replay),
             "replay/mean_age": float(np.mean([step - s["version"] for s in history])) if history else 0.0,
-            "rollouts/total": total_rollouts,
-            "rollouts/generated_tokens": total_tokens,
-            "perf/gen_tokens_per_s": sum(lengths) / max(gen_seconds, 1e-9),
-            "perf/weight_sync_s": sync_seconds,
+            "rollouts/total": total_rollouts, "rollouts/generated_tokens": total_tokens,
+            "perf/gen_tokens_per_s": sum(lengths) / max(gen_seconds, 1e-9), "perf/weight_sync_s": sync_seconds,
             "perf/step_s": time.perf_counter() - step_start,
-            "grader/failures": grader["error"] + grader["unparsable"],
+            "grader/failures": grader["error"] + grader["unparsable"] + grader["timeout"],
             "grader/no_boxed": grader["no_boxed"],
         }
         metrics_file.write(json.dumps(record) + "\n")

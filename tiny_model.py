@@ -49,7 +49,7 @@ def build_tiny_model(path: str, seed: int = 0, hidden_size: int = 128, layers: i
         num_hidden_layers=layers,
         num_attention_heads=hidden_size // 32,
         num_key_value_heads=max(1, hidden_size // 64),
-        max_position_embeddings=4096,
+        max_position_embeddings=16384,  # room for the longest benchmark prompt in bytes plus a response
         tie_word_embeddings=True,
         bos_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
