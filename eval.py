@@ -23,6 +23,7 @@ import numpy as np
 import tyro
 
 import remix
+import remix_utils
 
 # name -> (local file in --data-dir, hub id, hub config, hub split); "all" is the paper's five
 BENCHMARKS = {
@@ -71,8 +72,7 @@ class EvalArgs:
 
 
 def fail(message: str):
-    print(f"eval: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    remix_utils.fail(message, prog="eval")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,9 +226,7 @@ def main(args: EvalArgs) -> dict:
     else:
         if args.model is None:
             fail("--model is required (or --regrade SAMPLES.jsonl)")
-        looks_local = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1
-        if looks_local and not os.path.isdir(args.model):
-            fail(f"model folder {args.model!r} does not exist")
+        remix_utils.check_model_path(args.model, prog="eval")
         if args.n > 1 and args.temperature == 0:
             fail("--n > 1 needs --temperature > 0: greedy samples are all the same")
         problems = [p for name in resolve_benchmarks(args.benchmarks) for p in load_benchmark(name, args)]

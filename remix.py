@@ -14,16 +14,13 @@ After step T, reincarnate: the reference becomes pi_T and training is plain on-p
     python remix.py --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --steps 350
 """
 
-import atexit
 import collections
 import dataclasses
 import functools
 import json
 import math
-import multiprocessing
 import os
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +33,9 @@ import torch
 import tyro
 from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
+
+from remix_utils import (check_model_path, fail, load_problems, load_trainer_state, map_with_deadline, save_checkpoint,
+                         set_rng_state)
 
 
 @dataclass
@@ -122,14 +122,12 @@ class Args:
     """output folder: metrics.jsonl, TensorBoard events, checkpoints"""
     save_every: int = 50
     """save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
+    keep_last: int = 3
+    """keep only the newest this many checkpoints (0 keeps all)"""
+    resume: str | None = None
+    """continue the run in this folder from its newest checkpoint, with the run's saved arguments"""
     track: bool = False
     """log to Weights & Biases as well"""
-
-
-def fail(message: str):
-    """Bad input: one clear line on stderr and a non-zero exit, no traceback."""
-    print(f"remix: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def finalize_args(args: Args) -> Args:
@@ -138,13 +136,18 @@ def finalize_args(args: Args) -> Args:
         args.prompts_per_step = 256 if args.algo == "ppo" else 128
     if args.group_size is None:
         args.group_size = 1 if args.algo == "ppo" else 8
+    n_history = args.prompts_per_step - round((1.0 - args.off_policy_p) * args.prompts_per_step)
     checks = [(0.0 <= args.off_policy_p < 1.0, f"--off-policy-p must be in [0, 1), got {args.off_policy_p}"),
+              (args.off_policy_p == 0 or 1 <= n_history < args.prompts_per_step,
+               f"--prompts-per-step {args.prompts_per_step} cannot split into whole fresh and historical groups at "
+               f"--off-policy-p {args.off_policy_p}: use at least {math.ceil(0.5 / min(args.off_policy_p, 1 - args.off_policy_p) + 1e-9)}"),
               (args.reincarnate_step >= 0, f"--reincarnate-step must be >= 0, got {args.reincarnate_step}"),
               (args.algo == "ppo" or args.group_size >= 2, "--algo grpo needs --group-size >= 2 (a group of one "
                                                            "always has advantage 0)")]
     checks += [(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
                for name in ("window", "utd", "steps", "prompts_per_step", "group_size", "mini_batch_prompts",
                             "micro_batch_size", "max_response_tokens", "grader_workers")]
+    checks.append((args.save_every >= 0 and args.keep_last >= 0, "--save-every and --keep-last must be >= 0"))
     for ok, message in checks:
         if not ok:
             fail(message)
@@ -211,8 +214,9 @@ def grade_response(response: str, answer: str) -> tuple[float, str]:
 
 
 def math_reward(response: str, answer: str) -> float:
-    """1.0 if the last \\boxed{} after </think> equals the gold answer under math-verify, else 0.0."""
-    return grade_response(response, answer)[0]
+    """1.0 if the last \\boxed{} after </think> equals the gold answer under math-verify, else 0.0.
+    Never raises, and returns within about 4 s whatever the input (it grades in a worker process)."""
+    return grade_many([(response, [answer])], timeout=4.0)[0][0]
 
 
 def grade_any(response: str, answers: list[str]) -> tuple[float, str]:
@@ -221,35 +225,10 @@ def grade_any(response: str, answers: list[str]) -> tuple[float, str]:
     return max(graded, key=lambda g: g[0])
 
 
-_grader_pool = None
-
-
 def grade_many(items: list[tuple[str, list[str]]], workers: int = 2, timeout: float = 20.0) -> list[tuple]:
-    """grade_any over (response, answers) items in worker processes. An answer still running `timeout`
-    seconds after its turn came is a failure (status "timeout"): some inputs hang inside C code where
-    math-verify's alarm never fires, so the pool is killed and the rest go to a fresh one."""
-    global _grader_pool
-    results: list = [None] * len(items)
-    todo = list(range(len(items)))
-    while todo:
-        if _grader_pool is None:  # spawn: never fork a process that holds vLLM's and torch's threads
-            _grader_pool = multiprocessing.get_context("spawn").Pool(workers)
-            atexit.register(_grader_pool.terminate)
-        jobs = [(i, _grader_pool.apply_async(grade_any, items[i])) for i in todo]
-        todo = []
-        for position, (i, job) in enumerate(jobs):
-            try:
-                results[i] = job.get(timeout=timeout)
-            except multiprocessing.TimeoutError:
-                results[i] = (0.0, "timeout")
-                rest = jobs[position + 1 :]
-                for j, other in rest:
-                    results[j] = other.get() if other.ready() else None
-                todo = [j for j, _ in rest if results[j] is None]
-                _grader_pool.terminate()
-                _grader_pool = None
-                break
-    return results
+    """grade_any over (response, answers) items in worker processes with a hard limit per answer: some
+    answers hang math-verify inside C code, where its own alarm never fires. Past it: (0.0, "timeout")."""
+    return map_with_deadline(grade_any, items, workers, timeout, on_timeout=(0.0, "timeout"))
 
 
 # ==============================================================================================
@@ -370,36 +349,20 @@ def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.
 # ----------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------
-def load_problems(args: Args) -> list[tuple[str, str]]:
-    """(problem, answer) pairs from a hub dataset or a local .jsonl/.json/.parquet file."""
-    import datasets
-
-    path = args.dataset
-    local = path.endswith((".jsonl", ".json", ".parquet"))
-    if local and not os.path.isfile(path):
-        fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id")
-    try:
-        rows = datasets.load_dataset("parquet" if path.endswith(".parquet") else "json", data_files=path,
-                                     split="train") if local else datasets.load_dataset(path, split="train")
-    except Exception as error:  # the library's own message says what is wrong with the file
-        fail(f"cannot read dataset {path!r}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
-    missing = [key for key in (args.problem_key, args.answer_key) if key not in rows.column_names]
-    if missing or len(rows) == 0:
-        fail(f"dataset {path!r} has {len(rows)} rows and the columns {rows.column_names}; it needs rows with "
-             f"{args.problem_key!r} and {args.answer_key!r} (set --problem-key/--answer-key)")
-    return list(zip(map(str, rows[args.problem_key]), map(str, rows[args.answer_key])))
-
-
-def prompt_stream(problems: list[tuple[str, str]], tokenizer, max_prompt_tokens: int):
-    """(prompt ids, answer) from shuffled passes over the data, forever; too-long prompts are skipped."""
+def prompt_stream(problems: list[tuple[str, str]], tokenizer, max_prompt_tokens: int, seed: int, position: int = 0):
+    """(prompt ids, answer, position) from shuffled passes over the data, forever, starting at a position
+    (problems consumed so far, kept for --resume). Prompts longer than the limit are skipped."""
     while True:
+        epoch, offset = divmod(position, len(problems))
+        order = np.random.RandomState(seed + epoch).permutation(len(problems))  # the same order on resume
         kept = 0
-        for index in np.random.permutation(len(problems)):
+        for index in order[offset:]:
+            position += 1
             ids = build_prompt(tokenizer, problems[index][0])
             if len(ids) <= max_prompt_tokens:
                 kept += 1
-                yield ids, problems[index][1]
-        if kept == 0:
+                yield ids, problems[index][1], position
+        if kept == 0 and offset == 0:
             fail(f"every prompt is longer than --max-prompt-tokens {max_prompt_tokens}")
 
 
@@ -419,26 +382,29 @@ def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
 # ----------------------------------------------------------------------------------------------
 # Models: the policy, the frozen reference, the critic; per-token log-probs and values
 # ----------------------------------------------------------------------------------------------
-def load_models(args: Args, device: torch.device):
+def load_models(args: Args, device: torch.device, checkpoint: str | None = None):
     """Policy and critic keep fp32 master weights: at lr 1e-6 a bf16 weight would round most updates
-    away. Forward passes run under bf16 autocast on GPU. The reference is frozen, so bf16 there."""
+    away. Forward passes run under bf16 autocast on GPU. The reference is frozen, so bf16 there.
+    A resumed run loads all three from its checkpoint (the reference only once reincarnated)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-    looks_local = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1  # hub ids: org/name
-    if looks_local and not os.path.isdir(args.model):
-        fail(f"model folder {args.model!r} does not exist; pass a local folder or a hub id")
+    check_model_path(args.model)
+    source = checkpoint or args.model
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as error:
-        fail(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}")
+        fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}")
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
-    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=frozen_dtype).to(device).eval()
+    policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
+    ref_source = os.path.join(checkpoint, "reference") if checkpoint and os.path.isdir(
+        os.path.join(checkpoint, "reference")) else args.model
+    reference = AutoModelForCausalLM.from_pretrained(ref_source, dtype=frozen_dtype).to(device).eval()
     reference.requires_grad_(False)
     critic = None
     if args.algo == "ppo":  # the paper's critic: the base model with a scalar head, dropout off
-        config = AutoConfig.from_pretrained(args.model, num_labels=1, classifier_dropout=0.0)
-        critic = AutoModelForTokenClassification.from_pretrained(args.model, config=config, dtype=torch.float32)
+        critic_source = os.path.join(checkpoint, "critic") if checkpoint else args.model
+        config = AutoConfig.from_pretrained(critic_source, num_labels=1, classifier_dropout=0.0)
+        critic = AutoModelForTokenClassification.from_pretrained(critic_source, config=config, dtype=torch.float32)
         critic = critic.to(device)
     for model in (policy, critic):
         if model is not None and args.gradient_checkpointing and device.type == "cuda":
@@ -569,39 +535,42 @@ def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args: Args,
 
 
 # ----------------------------------------------------------------------------------------------
-# Logging and checkpoints
-# ----------------------------------------------------------------------------------------------
-def save_checkpoint(out: str, step: int, policy, critic, tokenizer) -> str:
-    """save_pretrained into a temporary folder, then rename: a crash never leaves half a checkpoint."""
-    final = os.path.join(out, f"checkpoint-{step}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if critic is not None:
-        critic.save_pretrained(os.path.join(tmp, "critic"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
-
-
-# ----------------------------------------------------------------------------------------------
 # The training loop
 # ----------------------------------------------------------------------------------------------
 def train(args: Args) -> dict:
+    checkpoint = state = None
+    if args.resume:  # the run's saved arguments and newest checkpoint; other flags are not used
+        checkpoint, state = load_trainer_state(args.resume)
+        args = Args(**{**state["args"], "resume": args.resume, "out": args.resume})
+        print(f"remix: resuming {args.out} after step {state['progress']['step']} from {checkpoint}", flush=True)
     args = finalize_args(args)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    problems = load_problems(args)
-    tokenizer, policy, reference, critic = load_models(args, device)
+    problems = load_problems(args.dataset, args.problem_key, args.answer_key)
+    tokenizer, policy, reference, critic = load_models(args, device, checkpoint)
     actor_optim = torch.optim.AdamW(policy.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay)
     critic_optim = None if critic is None else torch.optim.AdamW(
         critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
     args.vllm_sleep = args.vllm_sleep and device.type == "cuda"  # the CPU engine has no sleep mode
     llm = make_vllm(args, device) if args.sampler == "vllm" else None
+    replay: collections.deque = collections.deque(maxlen=args.window)
+    progress = {"step": 0, "rollouts": 0, "tokens": 0, "groups": 0, "data_position": 0}
+    if state is not None:
+        actor_optim.load_state_dict(state["actor_optim"])
+        if critic_optim is not None:
+            critic_optim.load_state_dict(state["critic_optim"])
+        replay.extend(state["replay"])
+        progress = state["progress"]
+        set_rng_state(state["rng"])  # after vLLM's start, which reseeds the process
+        if llm is not None:
+            vllm_push_weights(llm, policy, args.vllm_sleep)  # the engine started from the base weights
     os.makedirs(args.out, exist_ok=True)
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    logged = [line for line in open(metrics_path) if json.loads(line)["step"] <= progress["step"]] if state else []
+    metrics_file = open(metrics_path, "w")  # a resumed run drops steps logged after its checkpoint
+    metrics_file.writelines(logged)
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(os.path.join(args.out, "tb"))
@@ -610,17 +579,15 @@ def train(args: Args) -> dict:
         import wandb
 
         wandb.init(project=os.environ.get("WANDB_PROJECT", "remix"), config=dataclasses.asdict(args), dir=args.out)
-    metrics_file = open(os.path.join(args.out, "metrics.jsonl"), "w")
     pad_id = tokenizer.pad_token_id
 
     def logp_fn(model, batch):
         return policy_forward(model, batch, args.temperature)[0]
 
-    prompts_source = prompt_stream(problems, tokenizer, args.max_prompt_tokens)
-    replay: collections.deque = collections.deque(maxlen=args.window)
-    total_rollouts = total_tokens = 0
-    group_counter = 0
-    bar = tqdm(range(1, args.steps + 1), desc="remix", dynamic_ncols=True)
+    prompts_source = prompt_stream(problems, tokenizer, args.max_prompt_tokens, args.seed, progress["data_position"])
+    bad_updates = 0
+    bar = tqdm(range(progress["step"] + 1, args.steps + 1), desc="remix", dynamic_ncols=True,
+               initial=progress["step"], total=args.steps)
     for step in bar:
         step_start = time.perf_counter()
         # the mix stage runs through step T; afterwards (reincarnated) it is plain on-policy training
@@ -632,25 +599,26 @@ def train(args: Args) -> dict:
 
         # -- 1. sample (1-p)*B fresh responses from pi_k -------------------------------------
         prompts = [next(prompts_source) for _ in range(n_fresh)]
+        progress["data_position"] = prompts[-1][2]
         gen_start = time.perf_counter()
         if llm is not None:
-            generations = vllm_generate(llm, [ids for ids, _ in prompts], args.group_size, args)
+            generations = vllm_generate(llm, [ids for ids, _, _ in prompts], args.group_size, args)
             if args.vllm_sleep:
                 llm.sleep(level=1)
         else:
-            generations = hf_generate(policy, tokenizer, [ids for ids, _ in prompts], args.group_size, args, device)
+            generations = hf_generate(policy, tokenizer, [ids for ids, _, _ in prompts], args.group_size, args, device)
         gen_seconds = time.perf_counter() - gen_start
 
         # -- 2. score, and 3. behaviour log-probs from the trainer, stored with the version ----
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for group in generations for ids, _ in group]
-        answers = [[answer] for _, answer in prompts for _ in range(args.group_size)]
+        answers = [[answer] for _, answer, _ in prompts for _ in range(args.group_size)]
         grades = grade_many(list(zip(texts, answers)), args.grader_workers, args.grade_timeout)
         grader = collections.Counter(status for _, status in grades)
         fresh_groups, fresh = [], []
-        for (prompt_ids, _), group in zip(prompts, generations):
-            group_counter += 1
+        for (prompt_ids, _, _), group in zip(prompts, generations):
+            progress["groups"] += 1
             fresh_groups.append([{"prompt_ids": prompt_ids, "response_ids": ids or [pad_id], "version": step,
-                                  "truncated": finish == "length", "group": group_counter} for ids, finish in group])
+                                  "truncated": finish == "length", "group": progress["groups"]} for ids, finish in group])
             fresh += fresh_groups[-1]
         for sample, (reward, _) in zip(fresh, grades):
             sample["reward"] = reward
@@ -658,8 +626,8 @@ def train(args: Args) -> dict:
         behaviour = per_token(logp_fn, policy, fresh, args.micro_batch_size, pad_id, device)
         for sample, logp in zip(fresh, behaviour):
             sample["behaviour_logp"] = logp
-        total_rollouts += len(fresh)
-        total_tokens += sum(len(s["response_ids"]) for s in fresh)
+        progress["rollouts"] += len(fresh)
+        progress["tokens"] += sum(len(s["response_ids"]) for s in fresh)
 
         # -- 4. mix in p*B historical samples: whole groups drawn uniformly from the last N batches
         history = [s for g in draw_history(replay, n_history) for s in g]
@@ -708,6 +676,7 @@ def train(args: Args) -> dict:
                 actor_optim.zero_grad(set_to_none=True)
                 if critic_optim is not None:
                     critic_optim.zero_grad(set_to_none=True)
+                finite = True
                 for m0 in range(0, len(rows), args.micro_batch_size):
                     idx = rows[m0 : m0 + args.micro_batch_size]
                     mb = collate([batch_samples[i] for i in idx], pad_id, device)
@@ -722,6 +691,7 @@ def train(args: Args) -> dict:
                     klc = kl_convex_loss(logp, take(ref_logp), take(prox_logp), lam, m_mask)
                     loss = pg_loss - args.ent_coef * ent + args.kl_beta * klc
                     (loss * weight).backward()
+                    finite = finite and bool(torch.isfinite(loss))
                     for key, value in (("losses/policy_loss", pg_loss), ("losses/entropy", ent),
                                        ("losses/kl_convex", klc), ("losses/clipfrac", pg_stats["clipfrac"]),
                                        ("kl/ref", masked_mean(k3_kl(logp, take(ref_logp)), m_mask)),
@@ -731,12 +701,24 @@ def train(args: Args) -> dict:
                         v = critic_forward(critic, mb)  # [b, r]
                         v_loss = clipped_value_loss(v, take(old_values), take(value_targets), m_mask, args.value_clip)
                         (v_loss * weight).backward()
+                        finite = finite and bool(torch.isfinite(v_loss))
                         stats["losses/value_loss"].append(v_loss.item())
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                if critic_optim is not None:
+                    finite = finite and bool(torch.isfinite(
+                        torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)))
+                if not (finite and torch.isfinite(grad_norm)):  # skip the update; 3 in a row end the run
+                    bad_updates += 1
+                    stats["train/skipped_updates"].append(1)
+                    print(f"remix: step {step}: non-finite loss or gradient, update skipped", file=sys.stderr)
+                    if bad_updates >= 3:
+                        fail(f"3 non-finite updates in a row at step {step}; stopping. The last good checkpoint "
+                             f"is the newest checkpoint-* in {args.out}")
+                    continue
+                bad_updates = 0
                 stats["losses/grad_norm"].append(grad_norm.item())
                 actor_optim.step()
                 if critic_optim is not None:
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
                     critic_optim.step()
                 stats["train/optimizer_steps"].append(1)
         policy.eval()
@@ -764,15 +746,16 @@ def train(args: Args) -> dict:
             "response/truncated": float(np.mean([s["truncated"] for s in fresh])),
             "response/self_reflection": float(np.mean([any(w in t.lower() for w in SELF_REFLECTION_WORDS)
                                                         for t in texts])),
-            **{k: float(np.mean(v)) for k, v in stats.items() if k != "train/optimizer_steps"},
+            **{k: float(np.mean(v)) for k, v in stats.items() if not k.startswith("train/")},
             "train/optimizer_steps": len(stats["train/optimizer_steps"]),
+            "train/skipped_updates": len(stats["train/skipped_updates"]),
             "batch/fresh": len(fresh), "batch/historical": len(history),
             "offpolicy/ratio_min": hist_ratio.min().item(), "offpolicy/ratio_mean": hist_ratio.mean().item(),
             "offpolicy/ratio_max": hist_ratio.max().item(),
             "offpolicy/trace_truncated": (hist_ratio > args.vtrace_c_bar).float().mean().item(),
             "replay/deque_size": len(replay),
             "replay/mean_age": float(np.mean([step - s["version"] for s in history])) if history else 0.0,
-            "rollouts/total": total_rollouts, "rollouts/generated_tokens": total_tokens,
+            "rollouts/total": progress["rollouts"], "rollouts/generated_tokens": progress["tokens"],
             "perf/gen_tokens_per_s": sum(lengths) / max(gen_seconds, 1e-9), "perf/weight_sync_s": sync_seconds,
             "perf/step_s": time.perf_counter() - step_start,
             "grader/failures": grader["error"] + grader["unparsable"] + grader["timeout"],
@@ -785,9 +768,15 @@ def train(args: Args) -> dict:
                 writer.add_scalar(key, value, step)
         if args.track:
             wandb.log(record, step=step)
-        bar.set_postfix(reward=f"{record['reward/mean']:.3f}", rollouts=total_rollouts, phase=record["phase"])
+        bar.set_postfix(reward=f"{record['reward/mean']:.3f}", rollouts=progress["rollouts"], phase=record["phase"])
+        progress["step"] = step
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            save_checkpoint(args.out, step, policy, critic, tokenizer)
+            reincarnated = args.reincarnation and step >= args.reincarnate_step
+            trainer_state = {"args": dataclasses.asdict(args), "progress": progress, "replay": list(replay),
+                             "actor_optim": actor_optim.state_dict(),
+                             "critic_optim": critic_optim.state_dict() if critic_optim else None}
+            save_checkpoint(args.out, step, policy, tokenizer, critic, reference if reincarnated else None,
+                            trainer_state, args.keep_last)
     metrics_file.close()
     writer.close()
     return {"policy": policy, "reference": reference, "critic": critic, "replay": replay, "llm": llm,

@@ -150,7 +150,7 @@ def test_bad_input_gets_one_clear_line(tmp_path, tiny_model):
     assert done.returncode != 0 and "unknown benchmark 'aime25'" in done.stderr and "math500" in done.stderr
     assert "Traceback" not in done.stderr
     done = run_cli("--model", str(tmp_path / "nope"), "--data-dir", str(BENCH))
-    assert done.returncode != 0 and f"model folder '{tmp_path / 'nope'}' does not exist" in done.stderr
+    assert done.returncode != 0 and f"model folder {str(tmp_path / 'nope')!r} does not exist" in done.stderr
     done = run_cli("--model", tiny_model, "--data-dir", str(tmp_path / "nodata"))
     assert done.returncode != 0 and str(tmp_path / "nodata") in done.stderr and "Traceback" not in done.stderr
     broken = tmp_path / "broken.jsonl"

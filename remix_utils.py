@@ -1,0 +1,141 @@
+"""Plumbing for remix.py that is not the method: clear errors, reading datasets, a process pool with a
+hard deadline per task (for the grader), and checkpoints that survive a crash and resume a run exactly.
+"""
+
+import atexit
+import glob
+import multiprocessing
+import os
+import random
+import re
+import shutil
+import sys
+
+import numpy as np
+import torch
+
+
+def fail(message: str, prog: str = "remix"):
+    """Bad input: one clear line on stderr and a non-zero exit, no traceback."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_model_path(model: str, prog: str = "remix"):
+    """A path that is clearly local (hub ids look like org/name) must exist."""
+    if (model.startswith((".", "/", "~")) or model.count("/") > 1) and not os.path.isdir(model):
+        fail(f"model folder {model!r} does not exist; pass a local folder or a hub id", prog)
+
+
+def load_problems(path: str, problem_key: str, answer_key: str) -> list[tuple[str, str]]:
+    """(problem, answer) pairs from a hub dataset or a local .jsonl/.json/.parquet file."""
+    import datasets
+
+    local = path.endswith((".jsonl", ".json", ".parquet"))
+    if local and not os.path.isfile(path):
+        fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id")
+    if local and os.path.getsize(path) == 0:
+        fail(f"dataset file {path!r} is empty")
+    try:
+        rows = datasets.load_dataset("parquet" if path.endswith(".parquet") else "json", data_files=path,
+                                     split="train") if local else datasets.load_dataset(path, split="train")
+    except Exception as error:  # the library's own message says what is wrong with the file
+        fail(f"cannot read dataset {path!r}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+    missing = [key for key in (problem_key, answer_key) if key not in rows.column_names]
+    if missing or len(rows) == 0:
+        fail(f"dataset {path!r} has {len(rows)} rows and the columns {rows.column_names}; it needs rows with "
+             f"{problem_key!r} and {answer_key!r} (set --problem-key/--answer-key)")
+    return list(zip(map(str, rows[problem_key]), map(str, rows[answer_key])))
+
+
+# ----------------------------------------------------------------------------------------------
+# A process pool with a deadline per task
+# ----------------------------------------------------------------------------------------------
+_pool = None
+
+
+def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout):
+    """[fn(*item) for item in items] in spawned worker processes. A task still running `timeout` seconds
+    after its turn came gets `on_timeout`; the pool is then killed (the only way to stop code stuck in C)
+    and the tasks not yet done go to a fresh one. The pool is kept between calls."""
+    global _pool
+    results: list = [None] * len(items)
+    done = [False] * len(items)
+    todo = list(range(len(items)))
+    while todo:
+        if _pool is None:  # spawn: never fork a process that holds vLLM's and torch's threads
+            _pool = multiprocessing.get_context("spawn").Pool(workers)
+            atexit.register(_pool.terminate)
+            _pool.map(abs, range(4 * workers), chunksize=1)  # workers up before any deadline starts
+        jobs = [(i, _pool.apply_async(fn, items[i])) for i in todo]
+        todo = []
+        for position, (i, job) in enumerate(jobs):
+            try:
+                results[i], done[i] = job.get(timeout=timeout), True
+            except multiprocessing.TimeoutError:
+                results[i], done[i] = on_timeout, True
+                for j, other in jobs[position + 1 :]:
+                    if other.ready():
+                        results[j], done[j] = other.get(), True
+                todo = [j for j, _ in jobs[position + 1 :] if not done[j]]
+                _pool.terminate()
+                _pool = None
+                break
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: written atomically, rotated, and holding everything a resumed run needs
+# ----------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(out: str, step: int, policy, tokenizer, critic, reference, trainer_state: dict,
+                    keep_last: int) -> str:
+    """OUT/checkpoint-STEP: the policy and tokenizer at the top (a plain transformers/vLLM model folder),
+    critic/ (PPO), reference/ (after reincarnation) and trainer_state.pt. Written into a temporary folder
+    and renamed, so a crash never leaves half a checkpoint; only the newest `keep_last` are kept."""
+    final = os.path.join(out, f"checkpoint-{step}")
+    tmp = os.path.join(out, f".tmp-checkpoint-{step}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name, model in (("critic", critic), ("reference", reference)):
+        if model is not None:
+            model.save_pretrained(os.path.join(tmp, name))
+    torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    if keep_last > 0:
+        for old in checkpoints(out)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def checkpoints(out: str) -> list[str]:
+    """Complete checkpoints of a run folder, oldest first."""
+    found = [p for p in glob.glob(os.path.join(out, "checkpoint-*")) if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))
+             and os.path.isfile(os.path.join(p, "trainer_state.pt"))]
+    return sorted(found, key=lambda p: int(p.rsplit("-", 1)[1]))
+
+
+def load_trainer_state(out: str) -> tuple[str, dict]:
+    """The newest checkpoint of a run folder and its trainer state, for --resume."""
+    if not os.path.isdir(out):
+        fail(f"--resume {out!r}: no such run folder")
+    found = checkpoints(out)
+    if not found:
+        fail(f"--resume {out!r}: the folder holds no complete checkpoint-STEP/ with a trainer_state.pt")
+    return found[-1], torch.load(os.path.join(found[-1], "trainer_state.pt"), weights_only=False)
