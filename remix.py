@@ -140,7 +140,7 @@ def finalize_args(args: Args) -> Args:
     checks = [(0.0 <= args.off_policy_p < 1.0, f"--off-policy-p must be in [0, 1), got {args.off_policy_p}"),
               (args.off_policy_p == 0 or 1 <= n_history < args.prompts_per_step,
                f"--prompts-per-step {args.prompts_per_step} cannot split into whole fresh and historical groups at "
-               f"--off-policy-p {args.off_policy_p}: use at least {math.ceil(0.5 / min(args.off_policy_p, 1 - args.off_policy_p) + 1e-9)}"),
+               f"--off-policy-p {args.off_policy_p}: raise --prompts-per-step"),
               (args.reincarnate_step >= 0, f"--reincarnate-step must be >= 0, got {args.reincarnate_step}"),
               (args.algo == "ppo" or args.group_size >= 2, "--algo grpo needs --group-size >= 2 (a group of one "
                                                            "always has advantage 0)")]
@@ -696,7 +696,7 @@ def train(args: Args) -> dict:
                                        ("losses/kl_convex", klc), ("losses/clipfrac", pg_stats["clipfrac"]),
                                        ("kl/ref", masked_mean(k3_kl(logp, take(ref_logp)), m_mask)),
                                        ("kl/prox", masked_mean(k3_kl(logp, take(prox_logp)), m_mask))):
-                        stats[key].append(float(value))
+                        stats[key].append(float(torch.as_tensor(value).detach()))
                     if critic is not None:
                         v = critic_forward(critic, mb)  # [b, r]
                         v_loss = clipped_value_loss(v, take(old_values), take(value_targets), m_mask, args.value_clip)

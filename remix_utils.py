@@ -4,6 +4,7 @@ hard deadline per task (for the grader), and checkpoints that survive a crash an
 
 import atexit
 import glob
+import json
 import multiprocessing
 import os
 import random
@@ -29,23 +30,48 @@ def check_model_path(model: str, prog: str = "remix"):
 
 def load_problems(path: str, problem_key: str, answer_key: str) -> list[tuple[str, str]]:
     """(problem, answer) pairs from a hub dataset or a local .jsonl/.json/.parquet file."""
-    import datasets
+    if path.endswith((".jsonl", ".json", ".parquet")):
+        if not os.path.isfile(path):
+            fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id")
+        if os.path.getsize(path) == 0:
+            fail(f"dataset file {path!r} is empty")
+        if path.endswith(".parquet"):
+            import pandas as pd
 
-    local = path.endswith((".jsonl", ".json", ".parquet"))
-    if local and not os.path.isfile(path):
-        fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id")
-    if local and os.path.getsize(path) == 0:
-        fail(f"dataset file {path!r} is empty")
-    try:
-        rows = datasets.load_dataset("parquet" if path.endswith(".parquet") else "json", data_files=path,
-                                     split="train") if local else datasets.load_dataset(path, split="train")
-    except Exception as error:  # the library's own message says what is wrong with the file
-        fail(f"cannot read dataset {path!r}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
-    missing = [key for key in (problem_key, answer_key) if key not in rows.column_names]
-    if missing or len(rows) == 0:
-        fail(f"dataset {path!r} has {len(rows)} rows and the columns {rows.column_names}; it needs rows with "
-             f"{problem_key!r} and {answer_key!r} (set --problem-key/--answer-key)")
-    return list(zip(map(str, rows[problem_key]), map(str, rows[answer_key])))
+            rows = pd.read_parquet(path).to_dict("records")
+        else:
+            rows = read_json_rows(path)
+    else:
+        import datasets
+
+        try:
+            rows = list(datasets.load_dataset(path, split="train"))
+        except Exception as error:
+            fail(f"cannot load dataset {path!r} from the hub: {str(error).splitlines()[0] if str(error) else error!r}")
+    columns = sorted(rows[0]) if rows else []
+    if not rows or any(key not in row for row in rows for key in (problem_key, answer_key)):
+        fail(f"dataset {path!r} has {len(rows)} rows with the columns {columns}; every row needs {problem_key!r} and "
+             f"{answer_key!r} (set --problem-key/--answer-key)")
+    return [(str(row[problem_key]), str(row[answer_key])) for row in rows]
+
+
+def read_json_rows(path: str) -> list[dict]:
+    """A JSON list of objects, or JSONL; a broken line is named."""
+    with open(path) as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            fail(f"dataset file {path!r} is not valid JSON: {error}")
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                fail(f"cannot read dataset {path!r}: line {number} is not valid JSON ({error})")
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------

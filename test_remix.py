@@ -398,3 +398,156 @@ def test_cli_runs_and_rejects_bad_flags(tiny_model, train_file, tmp_path):
     bad = subprocess.run(cmd[:-2] + ["--off-policy-p", "1.5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--off-policy-p must be in [0, 1)" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Crashes and bad input
+# ----------------------------------------------------------------------------------------------
+def cli(model, data, out, *extra) -> list[str]:
+    return [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out),
+            "--sampler", "hf", "--algo", "ppo", "--steps", "6", "--prompts-per-step", "10", "--max-response-tokens",
+            "24", "--mini-batch-prompts", "4", "--micro-batch-size", "8", "--save-every", "2", "--keep-last", "2",
+            "--seed", "5", *extra]
+
+
+def comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("perf/")}  # wall-clock timings differ
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model, train_file, tmp_path):
+    import signal
+    import time
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    subprocess.run(cli(tiny_model, train_file, tmp_path / "straight"), check=True, env=env, capture_output=True,
+                   timeout=600)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(cli(tiny_model, train_file, out), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    time.sleep(0.4)  # into step 3
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "checkpoint-6").exists(), "the run finished before it was killed"
+    done = subprocess.run([sys.executable, str(HERE / "remix.py"), "--resume", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming" in done.stdout
+    resumed, straight = read_metrics(out), read_metrics(tmp_path / "straight")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # every step once
+    # the deque, optimizer, RNG and data position were restored: the same numbers as without the crash
+    assert [comparable(r) for r in resumed] == [comparable(r) for r in straight]
+    assert resumed[2]["batch/historical"] == 4 and resumed[2]["replay/deque_size"] == 2
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # --keep-last 2
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(remix.Args(resume=str(tmp_path / "empty")))
+    assert exit_info.value.code == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, overrides, message", [
+    ("model", {"model": "/no/such/model"}, "model folder '/no/such/model' does not exist"),
+    ("p", {"off_policy_p": 1.0}, "--off-policy-p must be in [0, 1), got 1.0"),
+    ("p-negative", {"off_policy_p": -0.1}, "--off-policy-p must be in [0, 1), got -0.1"),
+    ("window", {"window": 0}, "--window must be at least 1, got 0"),
+    ("utd", {"utd": 0}, "--utd must be at least 1, got 0"),
+    ("reincarnate", {"reincarnate_step": -1}, "--reincarnate-step must be >= 0, got -1"),
+    ("groups", {"prompts_per_step": 1, "off_policy_p": 0.4}, "cannot split into whole fresh and historical groups"),
+    ("max-response", {"max_response_tokens": 0}, "--max-response-tokens must be at least 1, got 0"),
+    ("grpo-group", {"algo": "grpo", "group_size": 1}, "--algo grpo needs --group-size >= 2"),
+])
+def test_bad_flags_get_one_clear_line(tiny_model, train_file, tmp_path, capsys, case, overrides, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(tiny_args(overrides.pop("model", tiny_model), train_file, out, **overrides))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("remix: error: ") and message in err[0]
+    assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "columns", "broken"])
+def test_bad_dataset_gets_one_clear_line(tiny_model, tmp_path, capsys, case):
+    path = tmp_path / "data.jsonl"
+    if case == "empty":
+        path.write_text("")
+    elif case == "columns":
+        path.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
+    elif case == "broken":
+        path.write_text('{"problem": "1+1?", "answer": "2"}\n{not json\n')
+    with pytest.raises(SystemExit):
+        remix.train(tiny_args(tiny_model, str(path), tmp_path / "out"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("remix: error: ")
+    expected = {"missing": "does not exist", "empty": "is empty", "columns": "['question', 'solution']",
+                "broken": "line 2 is not valid JSON"}[case]
+    assert expected in err[0] and str(path) in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("response", [
+    "\\boxed{10^{10^{10^{10}}}}",
+    "\\boxed{" + "\\frac{1}{" * 700 + "2" + "}" * 700 + "}",  # about 5,000 characters
+    "the answer is \\boxed{\\frac{1}{2}",
+    "\\boxed{\x00\x01\x02\xff\xfe}",
+    "",
+])
+def test_math_reward_never_hangs_or_raises(response):
+    import time
+
+    start = time.perf_counter()
+    assert remix.math_reward(response, "1") == 0.0
+    assert time.perf_counter() - start < 5.0
+
+
+def test_grader_failures_are_counted_in_the_step(tiny_model, train_file, tmp_path, monkeypatch):
+    """The real loop with a sampler that always answers with a number too large to compare."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    stuck = tokenizer("\\boxed{10^{10^{10^{10}}}}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    fine = tokenizer("\\boxed{7}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+
+    def sampler(policy, tok, prompts, n, args, device):
+        return [[(stuck if i == 0 else fine, "stop") for _ in range(n)] for i in range(len(prompts))]
+
+    monkeypatch.setattr(remix, "hf_generate", sampler)
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=1, prompts_per_step=3, off_policy_p=0.0,
+                          grade_timeout=3.0))
+    row = read_metrics(tmp_path)[0]
+    assert row["grader/failures"] == 1 and row["grader/no_boxed"] == 0
+
+
+def test_non_finite_updates_stop_the_run_and_keep_the_last_good_checkpoint(tiny_model, train_file, tmp_path,
+                                                                           monkeypatch, capsys):
+    step = {"now": 0}
+    schedule, loss = remix.kl_convex_lambda, remix.mix_ppg_loss
+
+    def lam(t):  # called once a step with the step number
+        step["now"] = t
+        return schedule(t)
+
+    def poisoned(*a, **k):
+        value, stats = loss(*a, **k)
+        return (value * float("nan") if step["now"] >= 3 else value), stats
+
+    monkeypatch.setattr(remix, "kl_convex_lambda", lam)
+    monkeypatch.setattr(remix, "mix_ppg_loss", poisoned)
+    with pytest.raises(SystemExit):
+        remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=5, save_every=1, keep_last=0))
+    err = capsys.readouterr().err
+    assert "3 non-finite updates in a row at step 3" in err and err.count("update skipped") == 3
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-2"))
+    assert all(torch.isfinite(p).all() for p in reloaded.parameters())
