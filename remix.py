@@ -68,6 +68,10 @@ class Args:
     """switch to on-policy training after T (--no-reincarnation is the paper's ablation)"""
     kl_convex: bool = True
     """Eq. 5 schedule for lambda(t) (--no-kl-convex fixes lambda = 1: plain KL to the reference)"""
+    kl_convex_start: int = 50
+    """the step after which lambda(t) starts to fall (Eq. 5: 50)"""
+    kl_convex_every: int = 10
+    """lambda(t) falls by 0.1 every this many steps (Eq. 5: 10)"""
     kl_beta: float = 0.001
     """beta, the coefficient of the KL-Convex term"""
     ent_coef: float = 0.001
@@ -239,12 +243,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
 
 
-def kl_convex_lambda(t: int) -> float:
+def kl_convex_lambda(t: int, start: int = 50, every: int = 10) -> float:
     """Eq. 5 schedule: 1.0 up to step 50, then 0.1 lower every 10 steps, never below 0.5.
 
     t = 50 -> 1.0, t = 51 -> 0.9, t = 60 -> 0.9, t = 61 -> 0.8, t = 91 -> 0.5, t = 500 -> 0.5.
+    (start and every rescale the paper's 50 and 10 for shorter runs.)
     """
-    return max(1.0 - 0.1 * math.ceil(max(t - 50, 0) / 10), 0.5)
+    return max(1.0 - 0.1 * math.ceil(max(t - start, 0) / every), 0.5)
 
 
 def k3_kl(logp: torch.Tensor, anchor_logp: torch.Tensor) -> torch.Tensor:
@@ -537,7 +542,9 @@ def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args: Args,
 # ----------------------------------------------------------------------------------------------
 # The training loop
 # ----------------------------------------------------------------------------------------------
-def train(args: Args) -> dict:
+def train(args: Args, on_step=None) -> dict:
+    """The whole run. on_step(step, record, policy, tokenizer), if given, runs after each step and may add
+    entries to the step's metrics record (the toy experiment logs held-out accuracy this way)."""
     checkpoint = state = None
     if args.resume:  # the run's saved arguments and newest checkpoint; other flags are not used
         checkpoint, state = load_trainer_state(args.resume)
@@ -664,7 +671,7 @@ def train(args: Args) -> dict:
             old_values = value_targets = None
 
         # -- 6. utd passes of mini-batch updates: Mix-PPG - entropy + beta * KL-Convex ---------
-        lam = kl_convex_lambda(step) if args.kl_convex else 1.0
+        lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every) if args.kl_convex else 1.0
         mini = args.mini_batch_prompts * args.group_size
         stats = collections.defaultdict(list)
         policy.train()
@@ -761,6 +768,8 @@ def train(args: Args) -> dict:
             "grader/failures": grader["error"] + grader["unparsable"] + grader["timeout"],
             "grader/no_boxed": grader["no_boxed"],
         }
+        if on_step is not None:
+            on_step(step, record, policy, tokenizer)
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
         for key, value in record.items():

@@ -92,7 +92,11 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
         if _pool is None:  # spawn: never fork a process that holds vLLM's and torch's threads
             _pool = multiprocessing.get_context("spawn").Pool(workers)
             atexit.register(_pool.terminate)
-            _pool.map(abs, range(4 * workers), chunksize=1)  # workers up before any deadline starts
+            try:  # workers up before any deadline starts
+                _pool.map_async(abs, range(4 * workers), chunksize=1).get(timeout=300)
+            except multiprocessing.TimeoutError:
+                fail("the grader's worker processes did not start; a script that calls remix must guard its "
+                     "entry point with `if __name__ == \"__main__\":` (multiprocessing's spawn start method)")
         jobs = [(i, _pool.apply_async(fn, items[i])) for i in todo]
         todo = []
         for position, (i, job) in enumerate(jobs):

@@ -36,6 +36,11 @@ def test_kl_convex_lambda(t, expected):
     assert remix.kl_convex_lambda(t) == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("t, expected", [(8, 1.0), (9, 0.9), (10, 0.9), (11, 0.8), (16, 0.6), (17, 0.5), (60, 0.5)])
+def test_kl_convex_lambda_rescaled(t, expected):
+    assert remix.kl_convex_lambda(t, start=8, every=2) == pytest.approx(expected, abs=1e-12)
+
+
 def test_k3_kl_zero_when_equal_positive_otherwise_and_unbiased():
     logp = torch.log(torch.tensor([[0.2, 0.5, 0.3]]))
     assert torch.all(remix.k3_kl(logp, logp) == 0)
@@ -531,9 +536,9 @@ def test_non_finite_updates_stop_the_run_and_keep_the_last_good_checkpoint(tiny_
     step = {"now": 0}
     schedule, loss = remix.kl_convex_lambda, remix.mix_ppg_loss
 
-    def lam(t):  # called once a step with the step number
+    def lam(t, *rest):  # called once a step with the step number
         step["now"] = t
-        return schedule(t)
+        return schedule(t, *rest)
 
     def poisoned(*a, **k):
         value, stats = loss(*a, **k)
