@@ -201,7 +201,8 @@ def final_answer(response: str) -> str | None:
 
 
 def grade_response(response: str, answer: str) -> tuple[float, str]:
-    """(reward, status), status in ok | no_boxed | unparsable | error. Timeouts need the main thread."""
+    """(reward, status), status in ok | no_boxed | unparsable | error. Runs in a grader worker's main
+    thread, where math-verify's alarm-based timeouts work."""
     from math_verify import verify
     from math_verify.errors import TimeoutException
 

@@ -1,6 +1,6 @@
 """Build a tiny random-weight Qwen2 chat model offline, for tests and CPU smoke runs.
 
-    python tiny_model.py /tmp/tiny-qwen2
+    python tiny_model.py runs/tiny-qwen2
 
 The folder loads with transformers' `from_pretrained` and with vLLM, like any hub checkpoint.
 The tokenizer is byte level (256 byte tokens, no merges) plus three ChatML special tokens, so it

@@ -9,6 +9,7 @@ rollout batch (the first, warm-up batch left out).
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 12, 1e-4
 
 def main():
     which, toy, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"remix-trl-step-{which}-{os.getpid()}"
+    out = Path(tempfile.mkdtemp(prefix=f"remix-trl-step-{which}-"))
     if which == "remix":
         args = remix.Args(algo="grpo", model=str(toy / "base"), dataset=str(toy / "train.jsonl"), out=str(out),
                           steps=steps, prompts_per_step=PROMPTS, group_size=GROUP, mini_batch_prompts=PROMPTS // 2,
