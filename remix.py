@@ -649,7 +649,7 @@ def train(args: Args, on_step=None) -> dict:
                   if critic is not None else None)
 
         # -- 5. advantages with V-trace, recomputed with the current pi_k and critic ----------
-        mask = collate(batch_samples, pad_id, "cpu")["response_mask"]  # [B, R]
+        mask = pad_sequence([torch.ones(len(s["response_ids"]), dtype=torch.bool) for s in batch_samples], True)  # [B, R]
         behaviour_logp = pad_sequence([s["behaviour_logp"] for s in batch_samples], batch_first=True)  # [B, R]
         prox_logp = pad_sequence(prox, batch_first=True)  # [B, R]
         ref_logp = pad_sequence(ref, batch_first=True)  # [B, R]
