@@ -115,7 +115,7 @@ class Args:
     sampler: Literal["vllm", "hf"] = "vllm"
     """vllm (default) or transformers' generate, for machines without vLLM"""
     vllm_gpu_memory_utilization: float = 0.25
-    """GPU memory share vLLM may take, colocated with training in this process (README: memory plan)"""
+    """GPU memory share vLLM may take, colocated with training in this process (README: GPU memory)"""
     vllm_sleep: bool = True
     """GPU only: free vLLM's weights and KV cache (sleep level 1) while training"""
     gradient_checkpointing: bool = True
