@@ -219,8 +219,8 @@ def grade_response(response: str, answer: str) -> tuple[float, str]:
 
 
 def math_reward(response: str, answer: str) -> float:
-    """1.0 if the last \\boxed{} after </think> equals the gold answer under math-verify, else 0.0.
-    Never raises, and returns within about 4 s whatever the input (it grades in a worker process)."""
+    """1.0 if the last \\boxed{} after </think> equals the gold answer under math-verify, else 0.0. Never
+    raises; grades in a worker process with a 4 s deadline (about 6 s when a timeout restarts the worker)."""
     return grade_many([(response, [answer])], timeout=4.0)[0][0]
 
 
@@ -233,7 +233,7 @@ def grade_any(response: str, answers: list[str]) -> tuple[float, str]:
 def grade_many(items: list[tuple[str, list[str]]], workers: int = 2, timeout: float = 20.0) -> list[tuple]:
     """grade_any over (response, answers) items in worker processes with a hard limit per answer: some
     answers hang math-verify inside C code, where its own alarm never fires. Past it: (0.0, "timeout")."""
-    return map_with_deadline(grade_any, items, workers, timeout, on_timeout=(0.0, "timeout"))
+    return map_with_deadline(grade_any, items, workers, timeout, (0.0, "timeout"), warm=parse_boxed, warm_args=("1",))
 
 
 # ==============================================================================================

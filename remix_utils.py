@@ -80,17 +80,18 @@ def read_json_rows(path: str) -> list[dict]:
 _pool = None
 
 
-def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout):
+def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout, warm=None, warm_args=()):
     """[fn(*item) for item in items] in spawned worker processes. A task still running `timeout` seconds
     after its turn came gets `on_timeout`; the pool is then killed (the only way to stop code stuck in C)
-    and the tasks not yet done go to a fresh one. The pool is kept between calls."""
+    and the tasks not yet done go to a fresh one. The pool is kept between calls. warm(*warm_args) runs in
+    each new worker before any deadline starts, so slow first imports never count as a timeout."""
     global _pool
     results: list = [None] * len(items)
     done = [False] * len(items)
     todo = list(range(len(items)))
     while todo:
         if _pool is None:  # spawn: never fork a process that holds vLLM's and torch's threads
-            _pool = multiprocessing.get_context("spawn").Pool(workers)
+            _pool = multiprocessing.get_context("spawn").Pool(workers, initializer=warm, initargs=warm_args)
             atexit.register(_pool.terminate)
             try:  # workers up before any deadline starts
                 _pool.map_async(abs, range(4 * workers), chunksize=1).get(timeout=300)

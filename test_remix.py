@@ -506,11 +506,13 @@ def test_bad_dataset_gets_one_clear_line(tiny_model, tmp_path, capsys, case):
     "",
 ])
 def test_math_reward_never_hangs_or_raises(response):
+    """A hang guard, not a speed claim: 4 s of grading, plus about 2 s to start a fresh worker (imports
+    included) when the previous input's timeout killed the last one."""
     import time
 
     start = time.perf_counter()
     assert remix.math_reward(response, "1") == 0.0
-    assert time.perf_counter() - start < 5.0
+    assert time.perf_counter() - start < 10.0
 
 
 def test_grader_failures_are_counted_in_the_step(tiny_model, train_file, tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
 
-PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 12, 1e-4
+PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 48, 1e-4  # the toy's batch shape and response limit
 
 
 def main():
