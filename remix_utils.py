@@ -109,10 +109,17 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
                     if other.ready():
                         results[j], done[j] = other.get(), True
                 todo = [j for j, _ in jobs[position + 1 :] if not done[j]]
-                _pool.terminate()
-                _pool = None
+                close_pool()
                 break
     return results
+
+
+def close_pool():
+    """Kill the worker processes (code stuck in C only stops this way); the next call starts fresh ones."""
+    global _pool
+    if _pool is not None:
+        _pool.terminate()
+        _pool = None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -161,6 +161,10 @@ def build_toy(cache: Path, seed: int = 0) -> Path:
 # ----------------------------------------------------------------------------------------------
 # One training run: the real remix.train loop, with held-out accuracy every few steps
 # ----------------------------------------------------------------------------------------------
+def run_dir(out: str, name: str, seed: int) -> Path:
+    return Path(out) / "runs" / name.replace("/", "_") / f"seed{seed}"
+
+
 def run(name: str, seed: int, toy: str, out: str, eval_every: int) -> dict:
     import torch
 
@@ -181,18 +185,18 @@ def run(name: str, seed: int, toy: str, out: str, eval_every: int) -> dict:
                           "rollouts": record["rollouts/total"], "tokens": record["rollouts/generated_tokens"],
                           "seconds": time.perf_counter() - start})
 
-    run_dir = Path(out) / "runs" / name.replace("/", "_") / f"seed{seed}"
+    folder = run_dir(out, name, seed)
     args = remix.Args(**{**SHARED, **CONFIGS[name]}, model=str(Path(toy) / "base"),
-                      dataset=str(Path(toy) / "train.jsonl"), out=str(run_dir), seed=seed)
+                      dataset=str(Path(toy) / "train.jsonl"), out=str(folder), seed=seed)
     import contextlib
     import io
 
     with contextlib.redirect_stderr(io.StringIO()):  # the progress bars of parallel runs would interleave
         remix.train(args, on_step=evaluate)
-    steps = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    steps = [json.loads(line) for line in open(folder / "metrics.jsonl")]
     result = {"config": name, "seed": seed, "curve": curve,
               "length": [s["response/length_mean"] for s in steps], "reward": [s["reward/mean"] for s in steps]}
-    (run_dir / "curve.json").write_text(json.dumps(result))
+    (folder / "curve.json").write_text(json.dumps(result))
     print(f"toy: {name} seed {seed}: accuracy {curve[0]['accuracy']:.2f} -> {curve[-1]['accuracy']:.2f}, "
           f"{curve[-1]['rollouts']} rollouts, {curve[-1]['seconds']:.0f} s", flush=True)
     return result
@@ -207,8 +211,7 @@ def runs_in_process(jobs: list[tuple], toy: str, out: str, eval_every: int) -> l
                           stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"toy runs {jobs} failed:\n{done.stderr[-3000:]}")
-    return [json.loads((Path(out) / "runs" / n.replace("/", "_") / f"seed{s}" / "curve.json").read_text())
-            for n, s in jobs]
+    return [json.loads((run_dir(out, n, s) / "curve.json").read_text()) for n, s in jobs]
 
 
 # ----------------------------------------------------------------------------------------------

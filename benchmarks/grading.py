@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import eval as evaluation  # noqa: E402
 import remix  # noqa: E402
+import remix_utils  # noqa: E402
 
 
 def main():
@@ -33,9 +34,7 @@ def main():
             start = time.perf_counter()
             grades = remix.grade_many(items, workers=workers)
             rates[workers].append(len(items) / (time.perf_counter() - start))
-            if remix._grader_pool is not None:
-                remix._grader_pool.terminate()
-                remix._grader_pool = None
+            remix_utils.close_pool()  # the next round starts its own pool
     right = sum(g[0] == 1.0 for g in grades)
     print(f"{len(items)} gold-answer responses, {right} graded right, {cli.rounds} rounds\n")
     print("| workers | median answers/s |\n|---|---|")
