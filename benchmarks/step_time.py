@@ -46,7 +46,7 @@ def main():
             cmd = [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", str(data), "--out", str(out),
                    "--algo", cli.algo, "--steps", str(cli.steps), "--prompts-per-step", str(cli.prompts),
                    "--group-size", str(cli.group_size), "--max-response-tokens", str(cli.max_response_tokens),
-                   "--micro-batch-size", "8", "--sampler", sampler, "--save-every", "0", "--seed", str(round_)]
+                   "--sampler", sampler, "--save-every", "0", "--seed", str(round_)]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             metrics = [json.loads(line) for line in open(out / "metrics.jsonl")][1:]
             times[sampler] += [m["perf/step_s"] for m in metrics]

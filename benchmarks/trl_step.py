@@ -27,8 +27,8 @@ def main():
     if which == "remix":
         args = remix.Args(algo="grpo", model=str(toy / "base"), dataset=str(toy / "train.jsonl"), out=str(out),
                           steps=steps, prompts_per_step=PROMPTS, group_size=GROUP, mini_batch_prompts=PROMPTS // 2,
-                          off_policy_p=0.0, utd=1, reincarnation=False, max_response_tokens=MAX_TOKENS,
-                          actor_lr=LR, sampler="hf", save_every=0, grader_workers=1, micro_batch_size=64,
+                          on_policy=True, max_response_tokens=MAX_TOKENS,
+                          actor_lr=LR, sampler="hf", save_every=0, grader_workers=1,
                           max_prompt_tokens=256)
         remix.train(args)
         seconds = [json.loads(line)["perf/step_s"] for line in open(out / "metrics.jsonl")][1:]
