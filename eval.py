@@ -13,7 +13,6 @@ some inputs hang inside C code where no signal reaches them.
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,9 +112,7 @@ def load_benchmark(name: str, args: EvalArgs) -> list[dict]:
             fail(f"benchmark file {str(path)!r} does not exist (expected {local} in --data-dir)")
         rows = [json.loads(line) for line in path.open() if line.strip()]
     else:
-        import datasets
-
-        rows = list(datasets.load_dataset(hub_id, config, split=split))
+        rows = remix_utils.load_hub_rows(hub_id, config, split, prog="eval")
     problems = []
     for i, row in enumerate(rows[: args.limit]):
         problem = row.get("problem", row.get("question"))
@@ -133,7 +130,10 @@ def generate(args: EvalArgs, problems: list[dict]):
     import torch
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except OSError as error:
+        fail(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}{remix_utils.offline_hint()}")
     prompts = [remix.build_prompt(tokenizer, p["problem"]) for p in problems]
     # the training samplers, with this protocol's settings (temperature 0 is greedy in both)
     settings = remix.Args(model=args.model, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
@@ -191,11 +191,13 @@ def summarize(samples: list[dict]) -> dict:
 
 def markdown(summary: dict) -> str:
     ks = [k for k in summary["average"] if k.startswith("pass@")]
-    head = ["benchmark", "problems", *ks, "no boxed %", "mean tokens", "self-reflection %", "grader failures"]
+    """One row per benchmark; every rate is a percentage, as its header says."""
+    head = ["benchmark", "problems", *[f"{k} %" for k in ks], "no boxed %", "mean tokens", "self-reflection %",
+            "grader failures"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, e in summary.items():
-        cells = [name, str(e.get("problems", "")), *[f"{e[k]:.2f}" for k in ks], f"{e['no_boxed']:.1f}",
-                 f"{e['mean_tokens']:.0f}", f"{e['self_reflection']:.1f}", str(e.get("grader_failures", ""))]
+        cells = [name, str(e.get("problems", "")), *[f"{e[k]:.2f}" for k in ks], f"{e['no_boxed']:.2f}",
+                 f"{e['mean_tokens']:.0f}", f"{e['self_reflection']:.2f}", str(e.get("grader_failures", ""))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -227,6 +229,9 @@ def main(args: EvalArgs) -> dict:
         if args.model is None:
             fail("--model is required (or --regrade SAMPLES.jsonl)")
         remix_utils.check_model_path(args.model, prog="eval")
+        hub = {"--model": args.model} if remix_utils.is_hub_id(args.model) else {}
+        remix_utils.check_hub({**hub, **({} if args.data_dir else {"--benchmarks": " ".join(args.benchmarks)})},
+                              prog="eval")
         if args.n > 1 and args.temperature == 0:
             fail("--n > 1 needs --temperature > 0: greedy samples are all the same")
         problems = [p for name in resolve_benchmarks(args.benchmarks) for p in load_benchmark(name, args)]

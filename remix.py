@@ -35,11 +35,11 @@ import tyro
 from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
-from remix_utils import (all_gather, all_reduce, check_hub, check_model_path, close_pool, fail, full_tensors,
-                         init_distributed, Interrupted, is_hub_id, load_optimizers, load_problems,
-                         load_trainer_state, make_vllm, map_with_deadline, micro_batches, prepare_out, prompt_stream,
-                         rank, resume_args, RunLog, save_checkpoint, say, set_rng_state, shard, step_metrics,
-                         unsharded, use_logprob_head, world)
+from remix_utils import (all_gather, all_reduce, catch_interrupts, check_hub, check_interrupted, check_model_path,
+                         close_pool, fail, full_tensors, init_distributed, Interrupted, interrupted, is_hub_id,
+                         load_optimizers, load_problems, load_trainer_state, make_vllm, map_with_deadline,
+                         micro_batches, offline_hint, prepare_out, prompt_stream, rank, resume_args, RunLog,
+                         save_checkpoint, say, set_rng_state, shard, step_metrics, unsharded, use_logprob_head, world)
 
 
 @dataclass
@@ -427,7 +427,7 @@ def load_models(args: Args, device: torch.device, checkpoint: str | None = None)
         tokenizer = AutoTokenizer.from_pretrained(source)
         policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
     except OSError as error:
-        fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}")
+        fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{offline_hint()}")
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ref_source = os.path.join(checkpoint, "reference") if checkpoint and os.path.isdir(
         os.path.join(checkpoint, "reference")) else args.model
@@ -475,6 +475,7 @@ def collate(samples: list[dict], device) -> dict:
 
 
 def autocast(device):
+    device = torch.device(device)
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
@@ -791,6 +792,7 @@ def train(args: Args, on_step=None) -> dict:
     step = progress["step"]
     try:
         for step in range(progress["step"] + 1, args.steps + 1):
+            check_interrupted()
             step_start, work = time.perf_counter(), collections.Counter()
             mixing, p, utd = stage(step, args)
             n_fresh = round((1.0 - p) * args.prompts_per_step)  # prompts over all ranks; the rest from the deque
@@ -856,7 +858,10 @@ def train(args: Args, on_step=None) -> dict:
                                 {"policy": actor_optim, "critic": critic_optim},
                                 {"args": dataclasses.asdict(args), "progress": progress, "replay": list(replay)},
                                 args.keep_last)
-    except KeyboardInterrupt:
+        check_interrupted()
+    except BaseException as error:  # what breaks after a Ctrl-C (DCP wraps it in its own error) is that Ctrl-C
+        if not (isinstance(error, KeyboardInterrupt) or interrupted()):
+            raise
         close_pool()
         raise Interrupted(step, args.out) from None
     finally:
@@ -868,6 +873,7 @@ def train(args: Args, on_step=None) -> dict:
 
 def main():
     args = tyro.cli(Args)
+    catch_interrupts()
     try:
         train(args)
     except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, no tracebacks, no workers left, exit 130

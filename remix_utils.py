@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from urllib.parse import urlparse
 
 import numpy as np
@@ -34,26 +35,28 @@ import torch.distributed as dist
 # ----------------------------------------------------------------------------------------------
 def fail(message: str, prog: str = "remix"):
     """Bad input: one clear line on stderr (from the first process only) and exit code 2, no traceback."""
-    if rank() == 0:
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    say(f"error: {message}", prog, sys.stderr)
     raise SystemExit(2)
 
 
 def say(message: str, prog: str = "remix", stream=None):
-    """One line of progress on stdout (or stream), from the first process only."""
+    """One line on stdout (or stream), from the first process only, on a line of its own beside a progress bar."""
     if rank() == 0:
-        print(f"{prog}: {message}", file=stream or sys.stdout, flush=True)
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"{prog}: {message}", file=stream or sys.stdout)
+        (stream or sys.stdout).flush()
 
 
 HUB_ID = re.compile(r"^(?![.-])[\w.-]{1,96}(?<![.-])(/(?![.-])[\w.-]{1,96}(?<![.-]))?$")
 
 
 def is_hub_id(name: str) -> bool:
-    """org/name (or name) in the hub's alphabet, whose first part is not a local folder: 'runs/tiny' is a
-    path when ./runs exists, './x', '/x', '~/x' and 'a/b/c' always are."""
-    if not HUB_ID.match(name) or "--" in name or ".." in name:
+    """org/name (or name) in the hub's alphabet that is not a local path. './x', '/x', '~/x', 'a/b/c', 'a b',
+    and 'runs/tiny' when a local ./runs exists are local paths."""
+    if os.path.exists(name) or ("/" in name and os.path.exists(name.split("/")[0])):
         return False
-    return not os.path.exists(name.split("/")[0]) or "/" not in name
+    return bool(HUB_ID.match(name)) and "--" not in name and ".." not in name
 
 
 def check_model_path(model: str, prog: str = "remix"):
@@ -65,7 +68,7 @@ def check_model_path(model: str, prog: str = "remix"):
 def check_hub(needed: dict, prog: str = "remix"):
     """Fail in seconds, not after minutes of retries, when hub ids are asked for and the hub is out of reach.
     needed: {'--model': id, ...}, the flags whose values are hub ids. HF_HUB_OFFLINE=1 reads the local cache."""
-    if not needed or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+    if not needed or offline():
         return
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     proxy = urlparse(os.environ.get("HTTPS_PROXY", os.environ.get("https_proxy", "")) or "//")
@@ -102,6 +105,14 @@ def load_problems(path: str, problem_key: str, answer_key: str) -> list[tuple[st
     return [(str(row[problem_key]), str(row[answer_key])) for row in rows]
 
 
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def offline_hint() -> str:
+    return " (HF_HUB_OFFLINE is set: only the local cache is read; pass a local path)" if offline() else ""
+
+
 def load_hub_rows(name: str, config: str | None = None, split: str = "train", prog: str = "remix") -> list[dict]:
     import datasets
 
@@ -109,8 +120,7 @@ def load_hub_rows(name: str, config: str | None = None, split: str = "train", pr
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as error:  # offline, unknown id, no such split: one line either way
         first = str(error).splitlines()[0] if str(error) else repr(error)
-        fail(f"cannot load dataset {name!r} from the hub: {first} (offline? pass a local file, or set "
-             f"HF_HUB_OFFLINE=1 to read the local cache)", prog)
+        fail(f"cannot load dataset {name!r} from the hub: {first}{offline_hint()}", prog)
 
 
 def read_json_rows(path: str) -> list[dict]:
@@ -221,6 +231,33 @@ class RunLog:
         if self.active:
             self.file.close()
             self.writer.close()
+
+
+_interrupt = {"seen": False}
+
+
+def catch_interrupts():
+    """Ctrl-C raises KeyboardInterrupt as usual and is also remembered: Python drops an exception raised inside
+    a __del__ (a garbage-collected object's finaliser), so the loop checks between steps as well."""
+    def handler(signum, frame):
+        _interrupt["seen"] = True
+        raise KeyboardInterrupt
+
+    def unraisable(report, default=sys.unraisablehook):  # "Exception ignored in ...": remembered, not printed
+        if not isinstance(report.exc_value, KeyboardInterrupt):
+            default(report)
+
+    signal.signal(signal.SIGINT, handler)
+    sys.unraisablehook = unraisable
+
+
+def interrupted() -> bool:
+    return _interrupt["seen"]
+
+
+def check_interrupted():
+    if _interrupt["seen"]:
+        raise KeyboardInterrupt
 
 
 class Interrupted(KeyboardInterrupt):
@@ -484,27 +521,31 @@ def chunked_logprobs(hidden, weight, targets, temperature: float, chunk: int = L
                       one(hidden[i:i + chunk], weight, targets[i:i + chunk]) for i in range(0, len(targets), chunk)])
 
 
+def _logprob_head_forward(head, hidden):  # [B, R + 1, H]: position j predicts response token j
+    if head.targets is None:
+        return type(head).forward(head, hidden)
+    targets, temperature = head.targets  # [B, R]
+    batch, length = targets.shape
+    out = chunked_logprobs(hidden[:, :-1].reshape(batch * length, -1), head.weight, targets.reshape(-1), temperature)
+    return out.view(batch, length, 2)  # [B, R, 2]
+
+
 def use_logprob_head(model):
     """While `targets` are set on it, the output layer returns (log-prob, entropy) per response token,
     [B, R, 2], computed by chunked_logprobs, instead of [B, R, V] logits. The rest of the model's forward
-    (attention, FSDP's gathers, gradient checkpointing) runs unchanged; generate() sees plain logits."""
+    (attention, FSDP's gathers, gradient checkpointing) runs unchanged; generate() sees plain logits.
+    A bound method, so a deep copy of the model gets its own."""
     head = model.get_output_embeddings()
-    plain = head.forward
-
-    def forward(hidden):  # [B, R + 1, H]: position j predicts response token j
-        if head.targets is None:
-            return plain(hidden)
-        targets, temperature = head.targets  # [B, R]
-        batch, length = targets.shape
-        out = chunked_logprobs(hidden[:, :-1].reshape(batch * length, -1), head.weight, targets.reshape(-1),
-                               temperature)  # [B * R, 2]
-        return out.view(batch, length, 2)
-
-    head.targets, head.forward = None, forward
+    head.targets, head.forward = None, types.MethodType(_logprob_head_forward, head)
 
 
 def make_vllm(args, device):
     """One engine per rank, or per --vllm-tp ranks, in this process beside the trainer."""
+    import logging
+    import warnings
+
+    logging.getLogger("vllm").addHandler(logging.NullHandler())  # no bare warnings before vLLM sets its log up
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")  # deprecations inside vLLM
     try:
         from vllm import LLM
     except ImportError:
@@ -519,7 +560,7 @@ def make_vllm(args, device):
             extra["data_parallel_size"] = world() // args.vllm_tp
     return LLM(model=args.model, dtype="bfloat16" if device.type == "cuda" else "float32", enforce_eager=device.type == "cpu",
                seed=args.seed + rank() // args.vllm_tp, max_model_len=args.max_prompt_tokens + args.max_response_tokens,
-               **extra)
+               use_tqdm_on_load=False, **extra)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -684,8 +725,8 @@ def step_metrics(step: int, fresh: list[dict], history: list[dict], grader, adv:
         "response/length_mean": mean(merged["length"]), "response/length_max": max(merged["length"]),
         "response/truncated": mean(merged["truncated"]), "response/self_reflection": mean(merged["reflects"]),
         **{k: float(np.mean(v)) for k, v in stats.items() if not k.startswith("train/")},
-        "train/optimizer_steps": len(stats["train/optimizer_steps"]),
-        "train/skipped_updates": len(stats["train/skipped_updates"]),
+        "train/optimizer_steps": len(stats.get("train/optimizer_steps", [])),
+        "train/skipped_updates": len(stats.get("train/skipped_updates", [])),
         "batch/fresh": len(rewards), "batch/historical": len(merged["trace_prod"]),
         "offpolicy/ratio_min": min(merged["ratio_min"], default=1.0),  # pi_k/mu on historical tokens; 1 without
         "offpolicy/ratio_mean": exp_sum / count if count else 1.0,

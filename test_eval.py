@@ -106,7 +106,8 @@ def test_regrade_scores_by_hand(tmp_path):
     assert summary["minerva"]["pass@1"] == pytest.approx(50.0) and summary["minerva"]["pass@2"] == pytest.approx(100.0)
     assert summary["average"]["pass@1"] == pytest.approx(50.0)
     table = (tmp_path / "re" / "results.md").read_text()
-    assert "| aime24 | 2 | 50.00 | 100.00 |" in table and "| average |" in table
+    assert "| benchmark | problems | pass@1 % | pass@2 % | no boxed % |" in table
+    assert "| aime24 | 2 | 50.00 | 100.00 | 25.00 | 5 | 25.00 | 0 |" in table and "| average |" in table
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import collections
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -472,6 +473,8 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
     ("groups", {"prompts_per_step": 1, "off_policy_p": 0.4}, "cannot split into whole fresh and historical groups"),
     ("max-response", {"max_response_tokens": 0}, "--max-response-tokens must be at least 1, got 0"),
     ("grpo-group", {"algo": "grpo", "group_size": 1}, "--algo grpo needs --group-size >= 2"),
+    ("temperature", {"temperature": 0.0}, "--temperature must be > 0 in training"),
+    ("tp", {"vllm_tp": 2}, "--vllm-tp 2 must divide the 1 processes"),
 ])
 def test_bad_flags_get_one_clear_line(tiny_model, train_file, tmp_path, capsys, case, overrides, message):
     out = tmp_path / "out"
@@ -562,3 +565,368 @@ def test_non_finite_updates_stop_the_run_and_keep_the_last_good_checkpoint(tiny_
 
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-2"))
     assert all(torch.isfinite(p).all() for p in reloaded.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# Faithful at the paper's scale (GRPO on long responses, clipfrac, masks, detached centre, ...)
+# ----------------------------------------------------------------------------------------------
+def long_grpo_batch(length=4000, sigma=0.02, seed=0):
+    """One group of two: a right 4,000-token response whose per-token log(pi_k/mu) ~ N(0, sigma^2), and a
+    wrong 5-token one."""
+    g = torch.Generator().manual_seed(seed)
+    behaviour = -3.0 * torch.rand(length, generator=g)
+    samples = [{"response_ids": [0] * length, "behaviour_logp": behaviour,
+                "prox_logp": behaviour + sigma * torch.randn(length, generator=g), "reward": 1.0, "group": 1},
+               {"response_ids": [0] * 5, "behaviour_logp": torch.zeros(5), "prox_logp": torch.zeros(5),
+                "reward": 0.0, "group": 1}]
+    return samples, 0.5 / (math.sqrt(0.5) + 1e-6)  # A_hat of the right one: (1 - 0.5) / (unbiased std + 1e-6)
+
+
+def test_grpo_advantage_survives_a_4000_token_response_by_default():
+    batch, a_hat = long_grpo_batch()
+    remix.compute_advantages(batch, remix.Args(algo="grpo"))
+    assert torch.equal(batch[0]["advantages"], torch.full((4000,), a_hat, dtype=torch.float32))  # exactly A_hat
+    assert torch.equal(batch[1]["advantages"], torch.full((5,), -a_hat, dtype=torch.float32))
+
+
+def test_grpo_vtrace_product_vanishes_on_a_4000_token_response():
+    batch, a_hat = long_grpo_batch()
+    remix.compute_advantages(batch, remix.Args(algo="grpo", grpo_vtrace=True))
+    adv = batch[0]["advantages"]
+    assert abs(adv[0].item()) < 1e-3 * a_hat  # expected e^(-4000 * 0.02 / sqrt(2 pi)) = 1e-14
+    assert adv[-1].item() == pytest.approx(a_hat)  # the last token keeps A_hat
+
+
+def test_step_metrics_adv_scale_and_trace_product_by_hand():
+    import remix_utils
+
+    fresh = [{"reward": 1.0, "response_ids": [0, 0], "truncated": False, "reflects": False, "version": 3},
+             {"reward": 0.0, "response_ids": [0], "truncated": True, "reflects": True, "version": 3}]
+    history = [{"reward": 1.0, "response_ids": [0, 0, 0], "truncated": False, "reflects": False, "version": 1}]
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    advantages = torch.tensor([[2.0, -2.0, 0.0], [1.0, 0.0, 0.0], [0.5, -0.5, 1.0]])
+    trace_c = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.5, 0.8, 1.0]])
+    log_ratio = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [math.log(0.5), math.log(0.8), math.log(1.5)]])
+    adv = {"mask": mask, "advantages": advantages, "trace_c": trace_c, "log_ratio": log_ratio}
+    record = remix_utils.step_metrics(3, fresh, history, collections.Counter({"ok": 2}), adv, {}, {"gen": 1.0,
+                                      "trainer": 1.0}, collections.Counter(tokens=6, slots=8), 1, 1.0)
+    # mean |A| over historical tokens (0.5 + 0.5 + 1) / 3, over fresh ones (2 + 2 + 1) / 3
+    assert record["offpolicy/adv_scale"] == pytest.approx((2 / 3) / (5 / 3))
+    assert record["offpolicy/trace_prod_mean"] == pytest.approx(0.5 * 0.8 * 1.0)
+    assert record["offpolicy/ratio_min"] == pytest.approx(0.5) and record["offpolicy/ratio_max"] == pytest.approx(1.5)
+    assert record["offpolicy/ratio_mean"] == pytest.approx((0.5 + 0.8 + 1.5) / 3)
+    assert record["offpolicy/trace_truncated"] == pytest.approx(1 / 3)  # 1.5 > c_bar
+    assert record["offpolicy/log_ratio_mean"] == pytest.approx((math.log(0.5) + math.log(0.8) + math.log(1.5)) / 3)
+    assert record["replay/mean_age"] == 2.0 and record["batch/fresh"] == 2 and record["batch/historical"] == 1
+    assert record["perf/padding"] == pytest.approx(0.25)
+    assert record["reward/mean"] == 0.5 and record["response/truncated"] == 0.5
+
+
+def test_clipfrac_counts_only_tokens_where_the_clip_changes_the_objective():
+    # c = 1 (fresh): (r, A) = (1.3, +1) clipped; (1.3, -1) not (the min keeps r A); (0.7, -1) clipped;
+    # (0.7, +1) not; (1.1, +1) inside the interval
+    ratio = torch.tensor([[1.3, 1.3, 0.7, 0.7, 1.1]])
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0]])
+    _, stats = remix.mix_ppg_loss(ratio.log(), torch.zeros(1, 5), torch.zeros(1, 5), adv, torch.ones(1, 5, dtype=torch.bool))
+    assert stats["clipfrac"].item() == pytest.approx(2 / 5)
+
+
+def test_clip_centre_is_a_constant():
+    behaviour = torch.tensor([[-1.0, -2.0]])
+    prox = torch.tensor([[-1.2, -1.5]], requires_grad=True)
+    logp = torch.tensor([[-0.5, -2.5]], requires_grad=True)
+    loss, _ = remix.mix_ppg_loss(logp, behaviour, prox, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool))
+    loss.backward()
+    assert prox.grad is None and logp.grad is not None
+
+
+def test_pure_functions_take_float_masks():
+    g = torch.Generator().manual_seed(1)
+    x, y, z, w = (torch.randn(3, 5, generator=g) for _ in range(4))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    calls = [lambda m: remix.masked_mean(x, m), lambda m: remix.kl_convex_loss(x, y, z, 0.7, m),
+             lambda m: remix.truncated_trace(x, y, m), lambda m: remix.vtrace_advantages(x, y, z.abs(), m, 0.9, 0.8)[0],
+             lambda m: remix.vtrace_advantages(x, y, z.abs(), m)[1], lambda m: remix.whiten(x, m),
+             lambda m: remix.mix_ppg_loss(x, y, z, w, m)[0], lambda m: remix.mix_ppg_loss(x, y, z, w, m)[1]["clipfrac"],
+             lambda m: remix.clipped_value_loss(x, y, z, m), lambda m: remix.grpo_token_advantages(x[:, 0], z.abs(), m),
+             lambda m: remix.grpo_token_advantages(x[:, 0], z.abs(), m, product=True)]
+    for call in calls:
+        torch.testing.assert_close(call(mask.float()), call(mask), rtol=0, atol=0)
+
+
+def test_policy_objective_is_eq6():
+    assert remix.policy_objective(torch.tensor(0.3), torch.tensor(2.0), torch.tensor(0.5), 0.01, 0.1).item() == \
+        pytest.approx(0.3 - 0.01 * 2.0 + 0.1 * 0.5)
+
+
+def test_hf_sampler_stops_at_every_eos_id_of_the_generation_config(tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
+    prompts = [remix.build_prompt(tokenizer, "What is 1+1?")]
+    args = remix.Args(max_response_tokens=12, mini_batch_prompts=4)
+    torch.manual_seed(0)
+    free = remix.hf_generate(policy, tokenizer, prompts, 4, args, "cpu")[0]
+    assert all(finish == "length" and len(ids) == 12 for ids, finish in free)  # a random model rarely stops
+    policy.generation_config.eos_token_id = [tokenizer.eos_token_id] + list(range(256))  # every byte token ends
+    stopped = remix.hf_generate(policy, tokenizer, prompts, 4, args, "cpu")[0]
+    assert all(finish == "stop" and len(ids) == 1 for ids, finish in stopped)
+
+
+def test_on_policy_means_no_replay_no_extra_passes_no_switch_and_kl_to_the_base(tiny_model, train_file, tmp_path):
+    args = remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, on_policy=True))
+    assert (args.off_policy_p, args.utd, args.reincarnation, args.kl_convex) == (0.0, 1, False, False)
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, on_policy=True, steps=2, kl_convex_start=0,
+                          kl_convex_every=1))
+    rows = read_metrics(tmp_path)
+    assert [(r["batch/historical"], r["train/utd"], r["kl_convex/lambda"], r["phase"]) for r in rows] == \
+        [(0, 1, 1.0, "mix"), (0, 1, 1.0, "mix")]
+
+
+def layer_calls_during_update(monkeypatch, model, data, out, checkpointing) -> collections.Counter:
+    """Calls of every decoder layer of the policy and the critic inside update(): twice per micro-batch when
+    activations are recomputed in the backward pass, once otherwise. (Pre-hooks: torch stops a recompute as
+    soon as it has what the backward needs, before the layer's post-hooks would run.)"""
+    calls, real = collections.Counter(), remix.update
+
+    def spy(batch, policy, critic, *rest, **kw):
+        hooks = [layer.register_forward_pre_hook(lambda *_, name=name: calls.update([name]))
+                 for name, net in (("policy", policy), ("critic", critic)) for layer in net.base_model.layers]
+        try:
+            return real(batch, policy, critic, *rest, **kw)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(remix, "update", spy)
+        remix.train(tiny_args(model, data, out, algo="ppo", steps=1, gradient_checkpointing=checkpointing))
+    return calls
+
+
+def test_gradient_checkpointing_acts_on_both_models_when_asked(tiny_model, train_file, tmp_path, monkeypatch):
+    plain = layer_calls_during_update(monkeypatch, tiny_model, train_file, tmp_path / "plain", False)
+    recomputed = layer_calls_during_update(monkeypatch, tiny_model, train_file, tmp_path / "ckpt", True)
+    assert plain["policy"] > 0 and plain["critic"] > 0
+    assert recomputed == collections.Counter({k: 2 * v for k, v in plain.items()})
+
+
+def test_logged_losses_are_the_optimised_token_means(tiny_model, train_file, tmp_path, monkeypatch):
+    """One mini-batch holding the whole batch, split into micro-batches of one response or all of them:
+    the logged losses equal the token mean over the mini-batch computed in one piece."""
+    captured = {}
+    real = remix.update
+
+    def spy(batch, policy, *rest, **kw):
+        import copy
+
+        captured["batch"], captured["policy"] = [dict(s) for s in batch], copy.deepcopy(policy)
+        return real(batch, policy, *rest, **kw)
+
+    monkeypatch.setattr(remix, "update", spy)
+    rows = {}
+    for budget in (1, 100_000):
+        remix.train(tiny_args(tiny_model, train_file, tmp_path / str(budget), algo="grpo", steps=1, group_size=2,
+                              prompts_per_step=5, mini_batch_prompts=8, utd=1, max_tokens_per_micro_batch=budget))
+        rows[budget] = read_metrics(tmp_path / str(budget))[0]
+    batch, policy = captured["batch"], captured["policy"]
+    mb = remix.collate(batch, "cpu")
+    mask = mb["response_mask"]
+    logp, entropy = remix.policy_forward(policy, mb, 1.0)
+    adv, behaviour = remix.padded(batch, "advantages"), remix.padded(batch, "behaviour_logp")
+    pg, _ = remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask)
+    for budget in rows:
+        assert rows[budget]["losses/policy_loss"] == pytest.approx(pg.item(), rel=1e-4, abs=1e-7)
+        assert rows[budget]["losses/entropy"] == pytest.approx(remix.masked_mean(entropy, mask).item(), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The grader from any caller; a checkpoint that cannot be written
+# ----------------------------------------------------------------------------------------------
+GRADE = ("import sys, time; sys.path.insert(0, {here!r}); import remix; start = time.perf_counter(); "
+         "print(remix.math_reward('so \\\\boxed{{2}}', '2'), remix.math_reward('\\\\boxed{{3}}', '2'), "
+         "round(time.perf_counter() - start, 1))")
+
+
+@pytest.mark.parametrize("shape", ["script-with-guard", "script-without-guard", "python-c", "stdin", "interactive"])
+def test_math_reward_works_from_every_kind_of_caller(shape, tmp_path):
+    code = GRADE.format(here=str(HERE))
+    script = tmp_path / "caller.py"
+    script.write_text(f"if __name__ == '__main__':\n    {code}\n" if shape == "script-with-guard" else code + "\n")
+    argv, stdin = {"script-with-guard": ([str(script)], None), "script-without-guard": ([str(script)], None),
+                   "python-c": (["-c", code], None), "stdin": (["-"], code + "\n"),
+                   "interactive": (["-i", "-q"], code + "\n")}[shape]
+    done = subprocess.run([sys.executable, *argv], input=stdin, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    right, wrong, seconds = done.stdout.split()[-3:]
+    assert (right, wrong) == ("1.0", "0.0")
+    assert float(seconds) < 10.0  # a hang guard (worker start-up included), not a speed claim
+
+
+def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tiny_model, train_file, tmp_path, monkeypatch,
+                                                                    capsys):
+    import errno
+
+    from transformers import AutoModelForCausalLM
+
+    real_save = torch.save
+
+    def full_disk(obj, path, *a, **k):  # the policy and optimizer of checkpoint-2 are written, then the disk is full
+        if "checkpoint-2" in str(path) and str(path).endswith("trainer_state.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=3, save_every=1, keep_last=0))
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines()
+           if line.strip() and not re.match(r"remix:\s+\d+%", line)]  # all but the progress bar
+    assert len(err) == 1 and "cannot write checkpoint" in err[0] and str(tmp_path / "checkpoint-2") in err[0]
+    assert "No space left on device" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]  # no .tmp left
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-1"))
+    assert all(torch.isfinite(p).all() for p in reloaded.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# A new user's first hour: fast clear failures, Ctrl-C, files that are not clobbered, quiet logs
+# ----------------------------------------------------------------------------------------------
+def run_remix(*argv, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.run([sys.executable, str(HERE / "remix.py"), *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+def one_error_line(done: subprocess.CompletedProcess, text: str):
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("remix: error: ") and text in lines[0], \
+        done.stderr[-2000:]
+
+
+def test_a_mistyped_local_model_folder_fails_in_seconds(tmp_path, train_file):
+    (tmp_path / "runs").mkdir()
+    import time
+
+    start = time.perf_counter()
+    done = run_remix("--model", "runs/tiny-qwen3", "--dataset", train_file, cwd=tmp_path, env={"HF_HUB_OFFLINE": None})
+    one_error_line(done, "model folder 'runs/tiny-qwen3' does not exist")
+    done = run_remix("--model", "my model", "--dataset", train_file, cwd=tmp_path, env={"HF_HUB_OFFLINE": None})
+    one_error_line(done, "model folder 'my model' does not exist")
+    assert time.perf_counter() - start < 60  # a hang guard: the hub's retries took 50 s for each
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_hub_ids_without_the_hub_fail_in_seconds(tmp_path, offline):
+    # no cache in HF_HOME; the endpoint is a closed local port, so this also holds on a machine with a network
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1" if offline else None}
+    done = run_remix("--steps", "350", "--out", str(tmp_path / "out"), env=env, timeout=120)
+    one_error_line(done, "HF_HUB_OFFLINE" if offline else "cannot be reached")
+    if not offline:
+        assert "--model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" in done.stderr and "HF_HUB_OFFLINE=1" in done.stderr
+    eval_done = subprocess.run([sys.executable, str(HERE / "eval.py"), "--model", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"],
+                               capture_output=True, text=True, timeout=120,
+                               env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
+    lines = eval_done.stderr.strip().splitlines()
+    assert eval_done.returncode == 2 and len(lines) == 1 and lines[0].startswith("eval: error: "), eval_done.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_run_is_not_clobbered(tiny_model, train_file, tmp_path):
+    out = tmp_path / "run"
+    base = ["--model", tiny_model, "--dataset", train_file, "--out", str(out), "--sampler", "hf", "--algo", "grpo",
+            "--prompts-per-step", "4", "--group-size", "2", "--max-response-tokens", "8"]
+    assert run_remix(*base, "--steps", "2").returncode == 0
+    before = (out / "metrics.jsonl").read_text()
+    one_error_line(run_remix(*base, "--steps", "1"), f"--out {out} already holds a run")
+    assert (out / "metrics.jsonl").read_text() == before and len(list((out / "tb").iterdir())) == 1
+    # --resume with a larger --steps extends the finished run; other flags are named as ignored
+    done = run_remix("--resume", str(out), "--steps", "3", "--actor-lr", "0.5")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ignored: --actor-lr" in done.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    done = run_remix("--resume", str(out))  # nothing left to do: it says so and starts nothing
+    assert done.returncode == 0 and "has finished all 3 steps" in done.stdout
+    # --overwrite replaces the old run
+    assert run_remix(*base, "--steps", "1", "--overwrite").returncode == 0
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and len(list((out / "tb").iterdir())) == 1
+
+
+def child_pids(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 0.9, 1.6])
+def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, delay):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, at several points after step 1."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
+                             "--out", str(out), "--sampler", "hf", "--algo", "ppo", "--steps", "50", "--save-every", "1",
+                             "--prompts-per-step", "10", "--max-response-tokens", "24"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    deadline = time.time() + 240
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+    time.sleep(delay)
+    workers = child_pids(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)  # never a hang
+    assert proc.returncode == 130
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not line.startswith("remix: ")
+             or line.startswith("remix: interrupted")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    step = int(lines[0].split("interrupted at step ")[1].split(";")[0])
+    assert step in (len(read_metrics(out)), len(read_metrics(out)) + 1)  # while saving it, or in the next step
+    found = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    if found:
+        assert f"the last checkpoint is {found[-1]}; continue with --resume {out}" in lines[0]
+    else:  # interrupted while step 1 was being saved
+        assert "the last checkpoint is none yet; nothing to resume" in lines[0]
+    time.sleep(0.5)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)  # the grader workers are gone
+
+
+def test_a_vllm_run_is_quiet_and_its_progress_bar_is_in_step(tiny_model, train_file, tmp_path):
+    out = tmp_path / "run"
+    done = run_remix("--model", tiny_model, "--dataset", train_file, "--out", str(out), "--algo", "ppo", "--steps", "3",
+                     "--prompts-per-step", "10", "--max-response-tokens", "16", "--reincarnate-step", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    segments = [s for s in done.stderr.replace("\r", "\n").splitlines() if s.strip()]
+    bar = [s for s in segments if re.match(r"remix:\s+\d+%", s)]
+    noise = [s for s in segments if s not in bar]
+    # on CPU torch itself prints one NUMA line when vLLM binds memory; nothing else may appear
+    assert len(noise) <= 1 and all("NUMA" in s for s in noise), noise
+    assert "Failed to load weights" not in done.stderr and "MISSING" not in done.stderr + done.stdout
+    assert done.stdout.count("critic: the base model with a new scalar value head") == 1
+    totals = {r["step"]: r["rollouts/total"] for r in read_metrics(out)}
+    shown = [(int(m.group(1)), int(m.group(2))) for s in bar for m in [re.search(r"(\d+)/3 \[.*rollouts=(\d+)", s)] if m]
+    assert shown and all(totals[step] == rollouts for step, rollouts in shown), shown  # never a step behind
+    assert shown[-1] == (3, totals[3])
+
+
+def test_help_shows_one_default_per_flag():
+    done = subprocess.run([sys.executable, str(HERE / "remix.py"), "--help"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, COLUMNS="120"))
+    text = done.stdout
+    for flag, following, default in (("--prompts-per-step", "--group-size", "(default: 256 for PPO, 128 for GRPO)"),
+                                     ("--group-size", "--off-policy-p", "(default: 1 for PPO, 8 for GRPO)")):
+        entry = text[text.index(flag) : text.index(following, text.index(flag) + len(flag))]
+        entry = " ".join(entry.replace("│", " ").split())
+        assert entry.count("(default:") == 1 and default in entry, entry

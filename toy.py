@@ -33,11 +33,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-TOY_VERSION = 3  # a cache built by another version of the task is rebuilt
+TOY_VERSION = 4  # a cache built by another version of the task is rebuilt
 SCRATCHPAD_SHARE = 0.25  # supervised targets with the worked running sums; the rest are the bare boxed answer
 SUPERVISED_STEPS, SUPERVISED_LR = 1500, 1e-3
 MAX_TOKENS = 48  # the longest worked answer (five 9s) is 42 tokens with EOS
-TEST, VAL, TRAIN = 300, 200, 4000
+TEST, VAL, TRAIN = 1000, 200, 4000
 EVAL_TEMPERATURE = 1.0  # held-out Pass@1 of one sample per problem at the training temperature; 0 = greedy
 STEPS, T = int(os.environ.get("TOY_STEPS", 24)), int(os.environ.get("TOY_T", 12))
 SHARED = dict(steps=STEPS, reincarnate_step=T, kl_convex_start=T // 3, kl_convex_every=2,
