@@ -434,9 +434,9 @@ def load_models(args: Args, device: torch.device, checkpoint: str | None = None)
     reference = AutoModelForCausalLM.from_pretrained(ref_source, dtype=frozen_dtype).to(device).eval()
     reference.requires_grad_(False)
     critic = None
-    if args.algo == "ppo":  # the paper's critic: the base model with a scalar head, dropout off
+    if args.algo == "ppo":  # the paper's critic: the base model with a scalar head
         critic_source = os.path.join(checkpoint, "critic") if checkpoint else args.model
-        config = AutoConfig.from_pretrained(critic_source, num_labels=1, classifier_dropout=0.0)
+        config = AutoConfig.from_pretrained(critic_source, num_labels=1)
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # its load report lists the new head as MISSING
         critic = AutoModelForTokenClassification.from_pretrained(critic_source, config=config, dtype=torch.float32)
@@ -446,8 +446,15 @@ def load_models(args: Args, device: torch.device, checkpoint: str | None = None)
             say("critic: the base model with a new scalar value head (score.*), initialised at random")
     checkpointing = device.type == "cuda" if args.gradient_checkpointing is None else args.gradient_checkpointing
     for model in (policy, critic):
-        if model is not None and checkpointing:
+        if model is None:
+            continue
+        if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for module in model.modules():  # updates run in training mode: no dropout anywhere (Decision 12)
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0  # the critic's new head has 0.1 (transformers ignores classifier_dropout)
+            if isinstance(getattr(module, "attention_dropout", None), float):
+                module.attention_dropout = 0.0
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, shard(policy, device), shard(reference, device), critic and shard(critic, device)

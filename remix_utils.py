@@ -448,8 +448,11 @@ def shard(model, device):
     over the ranks. On GPU the layers compute in bf16 and reduce gradients in fp32 (fp32 masters)."""
     if not dist.is_initialized():
         return model
+    import warnings
+
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # none is changed in place
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" and next(model.parameters()).dtype == torch.float32 else MixedPrecisionPolicy()
     for layer in model.base_model.layers:
@@ -527,7 +530,7 @@ def _logprob_head_forward(head, hidden):  # [B, R + 1, H]: position j predicts r
     targets, temperature = head.targets  # [B, R]
     batch, length = targets.shape
     out = chunked_logprobs(hidden[:, :-1].reshape(batch * length, -1), head.weight, targets.reshape(-1), temperature)
-    return out.view(batch, length, 2)  # [B, R, 2]
+    return out.view(batch, length, 2).clone()  # [B, R, 2], not a view: FSDP hooks the output for backward
 
 
 def use_logprob_head(model):

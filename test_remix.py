@@ -6,6 +6,7 @@ real vLLM (CPU build), real math-verify and real transformers.
 """
 
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -930,3 +931,185 @@ def test_help_shows_one_default_per_flag():
         entry = text[text.index(flag) : text.index(following, text.index(flag) + len(flag))]
         entry = " ".join(entry.replace("│", " ").split())
         assert entry.count("(default:") == 1 and default in entry, entry
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes: torchrun with FSDP2 on CPU (gloo), 2 processes
+# ----------------------------------------------------------------------------------------------
+DERIVED = ("advantages", "value_targets")
+
+
+def prepared_update_case(model, data, out, algo) -> dict:
+    """The batch, models and settings that update() received at step 2 of a real run (history present,
+    lambda < 1), before it changed anything."""
+    captured, real = {}, remix.update
+
+    def spy(batch, policy, critic, optimizers, lam, utd, step, args, *rest, **kw):
+        if step == 2:
+            captured.update(batch=[{k: v for k, v in s.items() if k not in DERIVED} for s in batch], lam=lam, utd=utd,
+                            step=step, args=dataclasses.asdict(args), model=model,
+                            policy={k: v.clone() for k, v in policy.state_dict().items()},
+                            critic=None if critic is None else {k: v.clone() for k, v in critic.state_dict().items()})
+        return real(batch, policy, critic, optimizers, lam, utd, step, args, *rest, **kw)
+
+    remix.update = spy
+    try:
+        group = 2 if algo == "grpo" else 1
+        remix.train(tiny_args(model, data, out, algo=algo, steps=2, prompts_per_step=10, group_size=group,
+                              mini_batch_prompts=3, actor_lr=1e-3, kl_convex_start=0, kl_convex_every=1))
+    finally:
+        remix.update = real
+    return captured
+
+
+def run_update(case: dict) -> tuple[dict, dict]:
+    """compute_advantages and update on this rank's share of the case's batch (whole groups, in order);
+    returns the full parameters after the update (on rank 0) and the logged statistics."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    import remix_utils
+
+    device = remix_utils.init_distributed()
+    args = remix.Args(**case["args"])
+    policy = AutoModelForCausalLM.from_pretrained(case["model"])
+    policy.load_state_dict(case["policy"])
+    critic = None
+    if case["critic"] is not None:
+        config = AutoConfig.from_pretrained(case["model"], num_labels=1)
+        critic = AutoModelForTokenClassification.from_pretrained(case["model"], config=config)
+        critic.load_state_dict(case["critic"])
+        critic.dropout.p = 0.0  # as load_models does
+    policy, critic = remix_utils.shard(policy, device), critic and remix_utils.shard(critic, device)
+    share = len(case["batch"]) // remix_utils.world()
+    batch = case["batch"][remix_utils.rank() * share :][:share]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=args.weight_decay) if m is not None else None
+                  for m, lr in ((policy, args.actor_lr), (critic, args.critic_lr))]
+    remix.compute_advantages(batch, args)
+    stats = remix.update(batch, policy, critic, optimizers, case["lam"], case["utd"], case["step"], args, device,
+                         {"bad_updates": 0}, collections.Counter())
+    full = {name: get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if remix_utils.world() > 1 else m.state_dict() for name, m in (("policy", policy), ("critic", critic)) if m}
+    return full, dict(stats)
+
+
+def torchrun(*argv, timeout=600, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(29500 + os.getpid() % 1000), *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_two_processes_make_the_same_update_as_one(algo, tiny_model, train_file, tmp_path):
+    case = prepared_update_case(tiny_model, train_file, tmp_path / "run", algo)
+    assert case["lam"] < 1 and any(s["version"] < case["step"] for s in case["batch"])  # history in it
+    # Adam moves a weight by about lr whatever its gradient's size, so summation-order noise on a gradient near
+    # zero can shift it by up to lr: compare at lr 1e-4 (about 1e-6 of such noise), not the run's 1e-3
+    case["args"].update(actor_lr=1e-4, critic_lr=1e-4)
+    torch.save(case, tmp_path / "case.pt")
+    one, one_stats = run_update(case)
+    done = torchrun(str(HERE / "test_remix.py"), "update", str(tmp_path / "case.pt"), str(tmp_path / "two.pt"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    two, two_stats = torch.load(tmp_path / "two.pt", weights_only=False)
+    assert set(one) == set(two)
+    for name in one:
+        moved = max((one[name][k] - case[name][k]).abs().max().item() for k in one[name])
+        assert moved > 1e-4  # the update changed the weights
+        for key in one[name]:
+            torch.testing.assert_close(two[name][key], one[name][key], rtol=0, atol=1e-5)
+    assert set(one_stats) == set(two_stats)
+    for key in one_stats:
+        assert two_stats[key] == pytest.approx(one_stats[key], rel=1e-4, abs=1e-6), key
+
+
+def distributed_main(argv: list[str]):
+    """torchrun --nproc-per-node 2 test_remix.py update CASE.pt OUT.pt"""
+    import remix_utils
+
+    full, stats = run_update(torch.load(argv[1], weights_only=False))
+    if remix_utils.rank() == 0:
+        torch.save((full, stats), argv[2])
+    remix_utils.barrier()
+    os._exit(0)  # skip the process group's teardown, which can abort at exit
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "update":
+    distributed_main(sys.argv[1:])
+
+
+def remix_cli(model, data, out, *extra) -> list[str]:
+    return [str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out), "--steps", "4",
+            "--reincarnate-step", "2", "--prompts-per-step", "10", "--max-response-tokens", "16",
+            "--mini-batch-prompts", "3", "--save-every", "2", *extra]
+
+
+@pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm"), ("ppo", "vllm")])
+def test_torchrun_two_processes_end_to_end(algo, sampler, tiny_model, train_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    group = 2 if algo == "grpo" else 1
+    done = torchrun(*remix_cli(tiny_model, train_file, out, "--algo", algo, "--sampler", sampler, "--group-size",
+                               str(group)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step once: one process writes
+    assert len(list((out / "tb").iterdir())) == 1
+    # 10 prompts over 2 processes: 6 fresh + 4 historical during the mix stage, 10 fresh after T = 2
+    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == \
+        [(6 * group, 0), (6 * group, 4 * group), (10 * group, 0), (10 * group, 0)]
+    assert [r["rollouts/total"] for r in rows] == [6 * group, 12 * group, 22 * group, 32 * group]
+    assert [r["phase"] for r in rows] == ["mix", "mix", "on-policy", "on-policy"]
+    checkpoint = out / "checkpoint-4"
+    assert sorted(p.name for p in checkpoint.glob("trainer_state*.pt")) == ["trainer_state-rank1.pt", "trainer_state.pt"]
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
+    assert (checkpoint / "reference" / "config.json").exists() and ((checkpoint / "critic").exists() == (algo == "ppo"))
+
+
+def worker_pids(agent: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of torchrun's worker processes."""
+    ranks = {}
+    for pid in child_pids(agent):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"LOCAL_RANK=")]
+        if rank:
+            ranks[int(rank[0])] = pid
+    return ranks
+
+
+def test_a_killed_rank_ends_the_job_and_resume_completes_it(tiny_model, train_file, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    argv = remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "hf", "--group-size", "2", "--steps", "6")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(29500 + os.getpid() % 1000), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    time.sleep(0.3)  # into step 3
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+    killed = time.time()
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - killed < 60  # the whole job ends, never a hang
+    assert not (out / "checkpoint-6").exists()
+    done = torchrun(str(HERE / "remix.py"), "--resume", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    # a different number of processes is refused with one line
+    refused = run_remix("--resume", str(out), "--steps", "8")
+    one_error_line(refused, "was trained by 2 processes, this is 1")
+
+
+def test_prompts_that_do_not_split_over_the_processes_are_refused(tiny_model, train_file, tmp_path):
+    done = torchrun(*remix_cli(tiny_model, train_file, tmp_path / "run", "--sampler", "hf", "--prompts-per-step", "5"))
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("remix: error:")]
+    assert errors == ["remix: error: --prompts-per-step 5 (3 fresh + 2 historical at p = 0.4) cannot split into whole "
+                      "groups over 2 processes: make each a multiple of 2"]
+    assert not (tmp_path / "run").exists()
