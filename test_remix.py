@@ -348,6 +348,7 @@ def test_grpo_reincarnation(tiny_model, train_file, tmp_path):
     assert any(not torch.equal(ref[k], base[k]) for k in base)
 
 
+@pytest.mark.slow
 def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
     """Real vLLM: every step logged, the pushed weights are the trainer's, checkpoints reload."""
     from transformers import AutoModelForCausalLM
@@ -395,6 +396,7 @@ def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
     assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(8, 0), (8, 8), (8, 8)]
 
 
+@pytest.mark.slow
 def test_cli_runs_and_rejects_bad_flags(tiny_model, train_file, tmp_path):
     cmd = [sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
            "--out", str(tmp_path / "cli"), "--steps", "1", "--prompts-per-step", "4", "--max-response-tokens", "8",
@@ -425,6 +427,7 @@ def comparable(row: dict) -> dict:
             if not k.startswith("perf/")}
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model, train_file, tmp_path):
     import signal
     import time
@@ -506,6 +509,7 @@ def test_bad_dataset_gets_one_clear_line(tiny_model, tmp_path, capsys, case):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("response", [
     "\\boxed{10^{10^{10^{10}}}}",
     "\\boxed{" + "\\frac{1}{" * 700 + "2" + "}" * 700 + "}",  # about 5,000 characters
@@ -750,6 +754,7 @@ GRADE = ("import sys, time; sys.path.insert(0, {here!r}); import remix; start = 
          "round(time.perf_counter() - start, 1))")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["script-with-guard", "script-without-guard", "python-c", "stdin", "interactive"])
 def test_math_reward_works_from_every_kind_of_caller(shape, tmp_path):
     code = GRADE.format(here=str(HERE))
@@ -808,6 +813,7 @@ def one_error_line(done: subprocess.CompletedProcess, text: str):
         done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_mistyped_local_model_folder_fails_in_seconds(tmp_path, train_file):
     (tmp_path / "runs").mkdir()
     import time
@@ -820,6 +826,7 @@ def test_a_mistyped_local_model_folder_fails_in_seconds(tmp_path, train_file):
     assert time.perf_counter() - start < 60  # a hang guard: the hub's retries took 50 s for each
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offline", [False, True])
 def test_hub_ids_without_the_hub_fail_in_seconds(tmp_path, offline):
     # no cache in HF_HOME; the endpoint is a closed local port, so this also holds on a machine with a network
@@ -836,6 +843,7 @@ def test_hub_ids_without_the_hub_fail_in_seconds(tmp_path, offline):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_an_existing_run_is_not_clobbered(tiny_model, train_file, tmp_path):
     out = tmp_path / "run"
     base = ["--model", tiny_model, "--dataset", train_file, "--out", str(out), "--sampler", "hf", "--algo", "grpo",
@@ -869,6 +877,7 @@ def child_pids(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.3, 0.9, 1.6])
 def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, delay):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, at several points after step 1."""
@@ -904,6 +913,7 @@ def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, del
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers)  # the grader workers are gone
 
 
+@pytest.mark.slow
 def test_a_vllm_run_is_quiet_and_its_progress_bar_is_in_step(tiny_model, train_file, tmp_path):
     out = tmp_path / "run"
     done = run_remix("--model", tiny_model, "--dataset", train_file, "--out", str(out), "--algo", "ppo", "--steps", "3",
@@ -922,6 +932,7 @@ def test_a_vllm_run_is_quiet_and_its_progress_bar_is_in_step(tiny_model, train_f
     assert shown[-1] == (3, totals[3])
 
 
+@pytest.mark.slow
 def test_help_shows_one_default_per_flag():
     done = subprocess.run([sys.executable, str(HERE / "remix.py"), "--help"], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, COLUMNS="120"))
@@ -999,6 +1010,7 @@ def torchrun(*argv, timeout=600, env=None) -> subprocess.CompletedProcess:
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_two_processes_make_the_same_update_as_one(algo, tiny_model, train_file, tmp_path):
     case = prepared_update_case(tiny_model, train_file, tmp_path / "run", algo)
@@ -1043,6 +1055,7 @@ def remix_cli(model, data, out, *extra) -> list[str]:
             "--mini-batch-prompts", "3", "--save-every", "2", *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm"), ("ppo", "vllm")])
 def test_torchrun_two_processes_end_to_end(algo, sampler, tiny_model, train_file, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -1079,6 +1092,7 @@ def worker_pids(agent: int) -> dict[int, int]:
     return ranks
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_job_and_resume_completes_it(tiny_model, train_file, tmp_path):
     import signal
     import time
@@ -1106,6 +1120,7 @@ def test_a_killed_rank_ends_the_job_and_resume_completes_it(tiny_model, train_fi
     one_error_line(refused, "was trained by 2 processes, this is 1")
 
 
+@pytest.mark.slow
 def test_prompts_that_do_not_split_over_the_processes_are_refused(tiny_model, train_file, tmp_path):
     done = torchrun(*remix_cli(tiny_model, train_file, tmp_path / "run", "--sampler", "hf", "--prompts-per-step", "5"))
     assert done.returncode != 0
@@ -1113,3 +1128,421 @@ def test_prompts_that_do_not_split_over_the_processes_are_refused(tiny_model, tr
     assert errors == ["remix: error: --prompts-per-step 5 (3 fresh + 2 historical at p = 0.4) cannot split into whole "
                       "groups over 2 processes: make each a multiple of 2"]
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop under test: one spied run checked against independent recomputation
+# ----------------------------------------------------------------------------------------------
+def naive_logp(model, sample, temperature=1.0) -> torch.Tensor:
+    """log pi(a_t|s_t) of the sample's response from one unpadded forward pass of plain logits."""
+    ids = torch.tensor([sample["prompt_ids"] + sample["response_ids"]])
+    p = len(sample["prompt_ids"])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, p - 1 : -1].float() / temperature  # [R, V]
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, p:, None])[:, 0]
+
+
+def naive_values(critic, sample) -> torch.Tensor:
+    ids = torch.tensor([sample["prompt_ids"] + sample["response_ids"]])
+    with torch.no_grad():
+        return critic(input_ids=ids).logits[0, len(sample["prompt_ids"]) - 1 : -1, 0].float()
+
+
+def key_of(sample) -> tuple:
+    return tuple(sample["prompt_ids"] + sample["response_ids"])
+
+
+def rows_of(batch: dict) -> list[tuple]:
+    """The unpadded token rows of a collated micro-batch, to find which samples it holds."""
+    return [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+
+
+class Spy:
+    """Runs remix.train with every loss and advantage function wrapped: each call's arguments and result are
+    kept with the step it belongs to; the models are copied at the start of every step."""
+
+    NAMES = ("mix_ppg_loss", "kl_convex_loss", "vtrace_advantages", "whiten", "group_advantages",
+             "grpo_token_advantages", "clipped_value_loss", "policy_objective", "policy_forward", "critic_forward",
+             "kl_convex_lambda")
+
+    def __init__(self, monkeypatch):
+        import copy
+
+        self.calls, self.step, self.models, self.start, self.batches = [], 1, {}, {}, {}
+        for name in self.NAMES:
+            real = getattr(remix, name)
+
+            def spy(*a, _real=real, _name=name, **k):
+                out = _real(*a, **k)
+                self.calls.append((_name, self.step, a, k, out))
+                return out
+
+            monkeypatch.setattr(remix, name, spy)
+        real_load = remix.load_models
+
+        def load(*a, **k):
+            out = real_load(*a, **k)
+            self.models = dict(zip(("tokenizer", "policy", "reference", "critic"), out))
+            self.start[1] = {n: copy.deepcopy(self.models[n]) for n in ("policy", "reference", "critic")}
+            return out
+
+        monkeypatch.setattr(remix, "load_models", load)
+
+        def on_step(step, record, policy, tokenizer, batch):
+            self.batches[step] = [dict(s) for s in batch]
+            self.step = step + 1
+            self.start[step + 1] = {n: copy.deepcopy(self.models[n]) for n in ("policy", "reference", "critic")}
+
+        self.on_step = on_step
+
+    def of(self, name: str, step: int) -> list:
+        return [c for c in self.calls if c[0] == name and c[1] == step]
+
+
+def scripted_right_answers(monkeypatch, train_file):
+    """The real transformers sampler, with about half of the responses replaced by the gold answer, so that
+    rewards are 0 and 1 and every advantage term is exercised (a random tiny model never answers right)."""
+    import random as stdlib_random
+
+    answers = {r["problem"]: r["answer"] for r in map(json.loads, open(train_file))}
+    real, rng = remix.hf_generate, stdlib_random.Random(0)
+
+    def sampler(policy, tokenizer, prompts, n, args, device):
+        out = real(policy, tokenizer, prompts, n, args, device)
+        for prompt, group in zip(prompts, out):
+            text = tokenizer.decode(prompt)
+            answer = next(a for p, a in answers.items() if p in text)
+            right = tokenizer(f"so \\boxed{{{answer}}}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            for j in range(len(group)):
+                if rng.random() < 0.5:
+                    group[j] = (right, "stop")
+        return out
+
+    monkeypatch.setattr(remix, "hf_generate", sampler)
+
+
+def close(a, b, atol=2e-5) -> bool:
+    return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_spied_steps_match_independent_recomputation(algo, tiny_model, train_file, tmp_path, monkeypatch):
+    scripted_right_answers(monkeypatch, train_file)
+    spy = Spy(monkeypatch)
+    group = 2 if algo == "grpo" else 1
+    args = tiny_args(tiny_model, train_file, tmp_path, algo=algo, steps=3, reincarnate_step=2, prompts_per_step=5,
+                     group_size=group, mini_batch_prompts=2, actor_lr=1e-3, critic_lr=1e-3, kl_convex_start=0,
+                     kl_convex_every=1, vtrace_c_bar=0.95, max_tokens_per_micro_batch=160)
+    remix.train(args, on_step=spy.on_step)
+    tokenizer, T = spy.models["tokenizer"], args.reincarnate_step
+    for step in (1, 2, 3):
+        batch, start = spy.batches[step], spy.start[step]
+        policy_k, critic_k = start["policy"], start["critic"]
+        mu = {key_of(s): naive_logp(spy.start[s["version"]]["policy"], s) for s in batch}  # the policy that sampled it
+        # the anchor of a sample is the reference when it was sampled: the base model up to T, pi_T after
+        ref = {key_of(s): naive_logp(spy.start[1]["policy"] if s["version"] <= T else spy.start[T + 1]["policy"], s)
+               for s in batch}
+        prox = {key_of(s): naive_logp(policy_k, s) for s in batch}
+        assert (step == 2) == any(s["version"] < step for s in batch)  # history only at step 2 (T = 2)
+        for s in batch:
+            assert close(s["behaviour_logp"], mu[key_of(s)]) and close(s["ref_logp"], ref[key_of(s)])
+            assert close(s["prox_logp"], prox[key_of(s)])
+            text = tokenizer.decode(s["response_ids"], skip_special_tokens=True)
+            assert s["reward"] == remix.grade_response(text, s["answer"])[0]
+        assert len({s["reward"] for s in batch}) == 2  # both rewards occur
+        # advantages: a naive recomputation from the recomputed log-probs and values
+        c = {k: torch.clamp(torch.exp(prox[k] - mu[k]), max=args.vtrace_c_bar) for k in mu}
+        if algo == "ppo":
+            values = {key_of(s): naive_values(critic_k, s) for s in batch}
+            raw, targets = {}, {}
+            for s in batch:
+                k, n = key_of(s), len(s["response_ids"])
+                rewards = torch.zeros(1, n, dtype=torch.float64)
+                rewards[0, -1] = s["reward"]  # the outcome reward on the last token only
+                a, t = naive_vtrace(rewards, values[k][None].double(), c[k][None].double(), [n], args.gamma, args.gae_lambda)
+                raw[k], targets[k] = a[0], t[0]
+                assert close(s["values"], values[k]) and close(s["value_targets"], targets[k].float(), 1e-4)
+            tokens = torch.cat(list(raw.values()))
+            mean, std = tokens.mean(), tokens.std(unbiased=False)
+            for s in batch:
+                assert close(s["advantages"], ((raw[key_of(s)] - mean) / std).float(), 1e-4)
+            (_, _, a, _, _), = spy.of("vtrace_advantages", step)
+            rewards_arg, mask_arg = a[0], a[3].bool()
+            last = mask_arg.sum(-1) - 1
+            assert torch.equal(rewards_arg[torch.arange(len(batch)), last], torch.tensor([s["reward"] for s in batch]))
+            assert rewards_arg.sum() == sum(s["reward"] for s in batch)  # nothing anywhere else
+            whitened = torch.cat([s["advantages"] for s in batch])
+            assert abs(whitened.mean().item()) < 1e-5 and abs(whitened.std(unbiased=False).item() - 1) < 1e-3
+        else:
+            for s in batch:
+                group_rewards = torch.tensor([x["reward"] for x in batch if x["group"] == s["group"]])
+                a_hat = (s["reward"] - group_rewards.mean()) / (group_rewards.std() + 1e-6)
+                assert torch.allclose(s["advantages"], torch.full((len(s["response_ids"]),), a_hat.item()))
+        # what each micro-batch's losses received
+        by_key = {key_of(s): s for s in batch}
+        forwards = spy.of("policy_forward", step)
+        losses, kls, objectives = spy.of("mix_ppg_loss", step), spy.of("kl_convex_loss", step), spy.of("policy_objective", step)
+        assert len(losses) == len(kls) == len(objectives) > 0
+        lam = remix.kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every)
+        assert lam < 1.0
+        graded = [f for f in forwards if f[4][0].requires_grad]  # the update's forward passes
+        assert len(graded) == len(losses)
+        for i, ((_, _, fwd, _, (logp, entropy)), loss, kl, objective) in enumerate(zip(graded, losses, kls, objectives)):
+            samples = [by_key[row] for row in rows_of(fwd[1])]
+            logp_arg, behaviour_arg, prox_arg, adv_arg, mask_arg = loss[2][:5]
+            assert logp_arg is logp
+            for j, s in enumerate(samples):
+                n, k = len(s["response_ids"]), key_of(s)
+                assert close(behaviour_arg[j, :n], mu[k]) and close(prox_arg[j, :n], prox[k])
+                assert torch.equal(adv_arg[j, :n].cpu(), s["advantages"])
+                assert close(kl[2][1][j, :n], ref[k]) and close(kl[2][2][j, :n], prox[k])
+                if i == 0:  # the first micro-batch of the step runs pi_k itself
+                    assert close(logp[j, :n].detach(), prox[k])
+            assert kl[2][3] == pytest.approx(lam) and kl[2][0] is logp
+            pg, ent, klc, ent_coef, beta = objective[2]
+            assert pg is loss[4][0] and klc is kl[4] and (ent_coef, beta) == (args.ent_coef, args.kl_beta)
+            assert ent.item() == pytest.approx(remix.masked_mean(entropy, mask_arg).item(), rel=1e-6)
+        if algo == "ppo":
+            for (_, _, fwd, _, _), (_, _, v_args, _, _) in zip([f for f in spy.of("critic_forward", step)
+                                                                 if f[4].requires_grad], spy.of("clipped_value_loss", step)):
+                for j, row in enumerate(rows_of(fwd[1])):
+                    s, n = by_key[row], len(by_key[row]["response_ids"])
+                    assert close(v_args[1][j, :n], values[row]) and close(v_args[2][j, :n], targets[row].float(), 1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop's parts by their behaviour
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def grpo_case(tmp_path_factory):
+    """What update() received at step 2 of a real GRPO run (history present), to run it again at will."""
+    model = build_tiny_model(str(tmp_path_factory.mktemp("tiny-case") / "qwen2"))
+    rows = [json.loads(line) for line in TRAIN.open()]
+    data = tmp_path_factory.mktemp("case-data") / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [r for r in rows if len(r["problem"]) < 120][:64]))
+    return prepared_update_case(model, str(data), tmp_path_factory.mktemp("case-run"), "grpo")
+
+
+def rerun_update(case: dict, **overrides) -> tuple:
+    """update() once more on the case's batch from the case's policy, with changed settings; returns the
+    policy before and after, and the batch."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    zero_advantages, utd = overrides.pop("zero_advantages", False), overrides.pop("utd", case["utd"])
+    args = remix.Args(**{**case["args"], **overrides})
+    before = AutoModelForCausalLM.from_pretrained(case["model"])
+    before.load_state_dict(case["policy"])
+    policy = copy.deepcopy(before)
+    batch = [dict(s) for s in case["batch"]]
+    remix.compute_advantages(batch, args)
+    if zero_advantages:
+        for s in batch:
+            s["advantages"] = torch.zeros_like(s["advantages"])
+    optim = torch.optim.AdamW(policy.parameters(), lr=args.actor_lr, weight_decay=0.0)
+    remix.update(batch, policy, None, (optim, None), case["lam"], utd, case["step"], args,
+                 "cpu", {"bad_updates": 0}, collections.Counter())
+    return before, policy, batch
+
+
+def distance(a, b) -> float:
+    return sum((x - y).pow(2).sum().item() for x, y in zip(a.parameters(), b.parameters())) ** 0.5
+
+
+def token_mean(model, batch, fn) -> float:
+    with torch.no_grad():
+        mb = remix.collate(batch, "cpu")
+        return remix.masked_mean(fn(*remix.policy_forward(model, mb, 1.0), mb), mb["response_mask"]).item()
+
+
+def test_more_update_passes_move_the_weights_further(grpo_case):
+    before, once, _ = rerun_update(grpo_case, utd=1)
+    _, twice, _ = rerun_update(grpo_case, utd=2)
+    assert distance(before, twice) > 1.2 * distance(before, once) > 0  # equal if the second pass never stepped
+
+
+def test_a_large_entropy_bonus_with_zero_advantages_raises_the_entropy(grpo_case):
+    before, after, batch = rerun_update(grpo_case, ent_coef=1.0, kl_beta=0.0, zero_advantages=True, actor_lr=1e-3)
+    entropy = lambda model: token_mean(model, batch, lambda logp, ent, mb: ent)  # noqa: E731
+    assert entropy(after) > entropy(before) + 1e-3
+
+
+def test_a_large_kl_coefficient_pulls_the_policy_to_the_reference(grpo_case):
+    before, after, batch = rerun_update(grpo_case, ent_coef=0.0, kl_beta=10.0, zero_advantages=True, actor_lr=1e-3)
+    ref = remix.padded(batch, "ref_logp")
+    kl = lambda model: token_mean(model, batch, lambda logp, ent, mb: remix.k3_kl(logp, ref))  # noqa: E731
+    assert kl(before) > 1e-4 and kl(after) < 0.5 * kl(before)
+
+
+def test_forwards_and_collate_against_unpadded_passes(tiny_model):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
+    critic = AutoModelForTokenClassification.from_pretrained(tiny_model, config=AutoConfig.from_pretrained(tiny_model, num_labels=1))
+    critic.eval()
+    g = torch.Generator().manual_seed(0)
+    samples = [{"prompt_ids": torch.randint(0, 250, (p,), generator=g).tolist(),
+                "response_ids": torch.randint(0, 250, (r,), generator=g).tolist()} for p, r in ((7, 3), (2, 9), (12, 1), (4, 5))]
+    mb = remix.collate(samples, "cpu")
+    assert mb["prompt_len"] == 12 and mb["response_mask"].sum(-1).tolist() == [3, 9, 1, 5]
+    with torch.no_grad():
+        logp, entropy = remix.policy_forward(policy, mb, 0.7)
+        values = remix.critic_forward(critic, mb)
+    for j, s in enumerate(samples):
+        n = len(s["response_ids"])
+        ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, len(s["prompt_ids"]) - 1 : -1] / 0.7  # [R, V]
+            v = critic(input_ids=ids).logits[0, :, 0]  # [P + R]
+        log_probs = torch.log_softmax(logits, -1)
+        assert close(logp[j, :n], log_probs.gather(-1, ids[0, len(s["prompt_ids"]):, None])[:, 0])
+        assert close(entropy[j, :n], -(log_probs.exp() * log_probs).sum(-1), 1e-4)
+        # V(s_0) is the value at the last prompt token; V(s_t) at the position that predicts token t
+        assert close(values[j, :n], v[len(s["prompt_ids"]) - 1 : -1])
+
+
+def test_draw_history_is_uniform_over_the_window():
+    import random as stdlib_random
+
+    replay = collections.deque(maxlen=2)
+    for step in (1, 2, 3):
+        replay.append([[{"version": step, "group": 10 * step + g}] for g in range(4)])
+    counts = collections.Counter()
+    stdlib_random.seed(0)
+    for _ in range(4000):
+        counts.update(g[0]["group"] for g in remix.draw_history(replay, 2))
+    assert set(counts) == {20, 21, 22, 23, 30, 31, 32, 33}  # the oldest batch was evicted
+    expected = 4000 * 2 / 8  # each of the 8 groups is drawn with probability 2/8
+    assert all(abs(n - expected) < 5 * math.sqrt(expected) for n in counts.values()), counts
+
+
+@pytest.mark.parametrize("c_bar", [0.5, 2.0])
+def test_truncated_trace_with_other_c_bars(c_bar):
+    prox = torch.tensor([[0.0, math.log(1.5), math.log(3.0), math.log(0.2)]])
+    behaviour = torch.zeros(1, 4)
+    c = remix.truncated_trace(prox, behaviour, torch.ones(1, 4, dtype=torch.bool), c_bar)
+    torch.testing.assert_close(c, torch.tensor([[min(c_bar, 1.0), min(c_bar, 1.5), min(c_bar, 3.0), 0.2]]))
+
+
+def test_clipfrac_is_measured_around_the_centre():
+    # c = pi_k / mu = 0.5: r = 0.8 with A > 0 is clipped (above 0.7), r = 1.05 with A > 0 too; r = 0.6 is inside
+    behaviour = torch.zeros(1, 3)
+    prox = torch.full((1, 3), math.log(0.5))
+    logp = torch.log(torch.tensor([[0.8, 1.05, 0.6]]))
+    _, stats = remix.mix_ppg_loss(logp, behaviour, prox, torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool))
+    assert stats["clipfrac"].item() == pytest.approx(2 / 3)
+
+
+def test_models_have_no_dropout_in_training_mode(tiny_model, tmp_path):
+    _, policy, reference, critic = remix.load_models(remix.Args(model=tiny_model, algo="ppo"), torch.device("cpu"))
+    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7]}], "cpu")
+    for model, fn in ((policy, lambda m: remix.policy_forward(m, mb, 1.0)[0]), (critic, lambda m: remix.critic_forward(m, mb))):
+        model.eval()
+        with torch.no_grad():
+            plain = fn(model)
+        model.train()
+        with torch.no_grad():
+            assert torch.equal(fn(model), plain)
+
+
+# ----------------------------------------------------------------------------------------------
+# Trainer passes at long lengths: chunked log-probs, token-budget micro-batches, cached reference
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [1, 5, 7, 64])
+def test_chunked_logprobs_and_gradients_equal_the_plain_computation(chunk):
+    import remix_utils
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)  # 23 tokens: ragged against every chunk size
+    weight = torch.randn(300, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 300, (23,), generator=g)
+    upstream = torch.randn(23, 2, generator=g)  # d loss / d (log-prob, entropy)
+    out = remix_utils.chunked_logprobs(hidden, weight, targets, 0.8, chunk=chunk)
+    (out * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    log_probs = torch.log_softmax(hidden @ weight.T / 0.8, -1)  # [23, 300], whole
+    plain = torch.stack([log_probs.gather(-1, targets[:, None])[:, 0], -(log_probs.exp() * log_probs).sum(-1)], -1)
+    (plain * upstream).sum().backward()
+    torch.testing.assert_close(out, plain, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=0, atol=1e-5)
+
+
+def test_micro_batches_respect_the_budget_and_group_lengths():
+    samples = [{"prompt_ids": [0] * 4, "response_ids": [0] * n} for n in (3, 50, 4, 6, 48, 5, 200)]
+    work = collections.Counter()
+    plans = remix.micro_batches(samples, 120, work)
+    assert sorted(len(s["response_ids"]) for plan in plans for s in plan) == [3, 4, 5, 6, 48, 50, 200]
+    for plan in plans:
+        width = max(len(s["prompt_ids"]) for s in plan) + max(len(s["response_ids"]) for s in plan)
+        assert len(plan) * width <= 120 or len(plan) == 1  # a longer response runs alone
+    assert [[len(s["response_ids"]) for s in plan] for plan in plans] == [[3, 4, 5, 6], [48, 50], [200]]
+    assert work["tokens"] == 7 * 4 + 316 and work["slots"] == 4 * 10 + 2 * 54 + 204
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_token_budgets_change_no_number(algo, tiny_model, train_file, tmp_path):
+    """One response per micro-batch, a few, or all: the same per-token log-probs and values, the same logged
+    losses and, after one update, the same parameters."""
+    case = prepared_update_case(tiny_model, train_file, tmp_path / "run", algo)
+    case["args"].update(actor_lr=1e-4, critic_lr=1e-4)  # see test_two_processes_make_the_same_update_as_one
+    results = {}
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    for budget in (1, 120, 100_000):
+        case["args"]["max_tokens_per_micro_batch"] = budget
+        args, work = remix.Args(**case["args"]), collections.Counter()
+        policy = AutoModelForCausalLM.from_pretrained(case["model"])
+        policy.load_state_dict(case["policy"])
+        passes = remix.per_token(remix.logprobs(args), policy, case["batch"], args, "cpu", work)
+        if algo == "ppo":
+            critic = AutoModelForTokenClassification.from_pretrained(
+                case["model"], config=AutoConfig.from_pretrained(case["model"], num_labels=1))
+            critic.load_state_dict(case["critic"])
+            passes += remix.per_token(remix.critic_forward, critic, case["batch"], args, "cpu", work)
+        full, stats = run_update(case)
+        results[budget] = (passes, full, stats, work)
+    reference = results[100_000]
+    assert results[1][3]["slots"] == results[1][3]["tokens"]  # one response each: no padding at all
+    assert reference[3]["slots"] > reference[3]["tokens"]  # the batch in one piece is padded
+    for budget, (passes, full, stats, _) in results.items():
+        for a, b in zip(passes, reference[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        for name in full:
+            for key in full[name]:
+                torch.testing.assert_close(full[name][key], reference[1][name][key], rtol=0, atol=1e-5)
+        for key in stats:
+            assert stats[key] == pytest.approx(reference[2][key], rel=1e-4, abs=1e-6), (budget, key)
+
+
+def test_cached_reference_logprobs_equal_a_fresh_computation(tiny_model, train_file, tmp_path):
+    """Reference log-probs are computed once, when a sample is fresh, and replayed with it: at every step they
+    equal the reference model's forward pass at that step, also on historical samples, until reincarnation
+    (T = 2) empties the deque."""
+    from transformers import AutoModelForCausalLM
+
+    checked, base = collections.Counter(), AutoModelForCausalLM.from_pretrained(tiny_model)
+
+    def on_step(step, record, policy, tokenizer, batch):
+        reference = base if step <= 2 else state["reference"]  # after T the live reference is pi_T
+        for s in batch:
+            assert close(s["ref_logp"], naive_logp(reference, s))
+            checked["historical" if s["version"] < step else "fresh"] += 1
+
+    state = {}
+    real = remix.load_models
+
+    def load(*a, **k):
+        out = real(*a, **k)
+        state["reference"] = out[2]
+        return out
+
+    remix.load_models = load
+    try:
+        remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="grpo", group_size=2, steps=3, reincarnate_step=2,
+                              actor_lr=1e-3), on_step=on_step)
+    finally:
+        remix.load_models = real
+    assert checked["historical"] > 0 and checked["fresh"] > 0

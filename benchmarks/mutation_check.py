@@ -1,0 +1,147 @@
+"""Plant one bug at a time in a copy of the code, run the fast tests, and say which test caught it.
+
+    python benchmarks/mutation_check.py            # every mutant; exits 1 if any survives
+    python benchmarks/mutation_check.py --list     # the mutants only
+    python benchmarks/mutation_check.py NAME ...   # some of them
+
+Each mutant replaces one exact piece of remix.py (the piece must occur exactly once, so a reshaped loop
+makes this script fail loudly until its mutant is updated). The fast tests are test_remix.py without the
+`slow` ones (no subprocesses, vLLM or torchrun): the spied steps and the loop's behaviour tests run
+first, then the rest; the first failing test is reported.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ("remix.py", "remix_utils.py", "test_remix.py", "tiny_model.py", "pytest.ini")
+LOOP_TESTS = "spied or further or entropy_bonus or kl_coefficient or unpadded or uniform_over or token_budgets"
+
+# name -> (file, exact original text, mutated text)
+MUTANTS = {
+    "ref log-probs where prox belongs in Mix-PPG": (
+        "remix.py", "mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps)",
+        "mix_ppg_loss(logp, behaviour, ref, adv, mask, args.clip_eps)"),
+    "ref and prox swapped in KL-Convex": (
+        "remix.py", "klc = kl_convex_loss(logp, ref, prox, lam, mask)", "klc = kl_convex_loss(logp, prox, ref, lam, mask)"),
+    "PPO advantages not whitened": (
+        "remix.py", "advantages = whiten(advantages, mask, all_reduce)  # [B, R]", "advantages = advantages  # [B, R]"),
+    "entropy bonus with the wrong sign": (
+        "remix.py", "return mix_ppg - ent_coef * entropy + beta * kl_convex",
+        "return mix_ppg + ent_coef * entropy + beta * kl_convex"),
+    "KL-Convex term with the wrong sign": (
+        "remix.py", "return mix_ppg - ent_coef * entropy + beta * kl_convex",
+        "return mix_ppg - ent_coef * entropy - beta * kl_convex"),
+    "entropy passed negated to the objective": (
+        "remix.py", "policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta)",
+        "policy_objective(pg_loss, -entropy, klc, args.ent_coef, args.kl_beta)"),
+    "later UTD passes counted but not stepped": (
+        "remix.py", "                if optim is not None:\n                    optim.step()",
+        "                if optim is not None and epoch == 0:\n                    optim.step()"),
+    "reference log-probs computed with the policy": (
+        "remix.py", '(("behaviour_logp", policy), ("ref_logp", reference))', '(("behaviour_logp", policy), ("ref_logp", policy))'),
+    "pi_k on history computed with the reference": (
+        "remix.py", "prox_and_values(fresh, history, policy, critic, args, device, work)",
+        "prox_and_values(fresh, history, reference, critic, args, device, work)"),
+    "stored behaviour log-probs ignored in the loss (mu := pi_k)": (
+        "remix.py", '("behaviour_logp", "prox_logp", "ref_logp", "advantages")', '("prox_logp", "prox_logp", "ref_logp", "advantages")'),
+    "stored behaviour log-probs ignored in the traces (every c = 1)": (
+        "remix.py", 'behaviour, prox = padded(batch, "behaviour_logp"), padded(batch, "prox_logp")',
+        'behaviour, prox = padded(batch, "prox_logp"), padded(batch, "prox_logp")'),
+    "outcome reward on the first response token": (
+        "remix.py", "last = mask.sum(-1) - 1  # [B] each response's last token", "last = mask.sum(-1) * 0  # [B] each response's last token"),
+    "truncated_trace called with its arguments swapped": (
+        "remix.py", "trace_c = truncated_trace(prox, behaviour, mask, args.vtrace_c_bar)",
+        "trace_c = truncated_trace(behaviour, prox, mask, args.vtrace_c_bar)"),
+    "c_bar not passed to truncated_trace": (
+        "remix.py", "trace_c = truncated_trace(prox, behaviour, mask, args.vtrace_c_bar)", "trace_c = truncated_trace(prox, behaviour, mask)"),
+    "c_bar ignored inside truncated_trace": (
+        "remix.py", "ratio.clamp(max=c_bar)", "ratio"),
+    "critic_forward reads V one position late": (
+        "remix.py", 'return out[:, batch["prompt_len"] - 1 : -1, 0].float()', 'return out[:, batch["prompt_len"] :, 0].float()'),
+    "critic trained toward its old values": (
+        "remix.py", 'padded(micro, "value_targets").to(device), mask, args.value_clip)', 'padded(micro, "values").to(device), mask, args.value_clip)'),
+    "micro-batch token weighting dropped": (
+        "remix.py", "weight = mask.sum() / tokens.to(device) * world()", "weight = 1.0 * world()"),
+    "draw_history takes the newest groups": (
+        "remix.py", "return random.sample(stored, min(n_groups, len(stored)))",
+        "return stored[len(stored) - min(n_groups, len(stored)):]"),
+    "clipfrac measured around 1 instead of c": (
+        "remix.py", "cut = ((advantages > 0) & (ratio > centre + eps)) | ((advantages < 0) & (ratio < centre - eps))",
+        "cut = ((advantages > 0) & (ratio > 1 + eps)) | ((advantages < 0) & (ratio < 1 - eps))"),
+    "clip interval centred at 1 (PPO's, not Mix-PPG's)": (
+        "remix.py", "torch.clamp(ratio, centre - eps, centre + eps)", "torch.clamp(ratio, 1 - eps, 1 + eps)"),
+    "KL-Convex weights swapped": (
+        "remix.py", "lam * k3_kl(logp, ref_logp) + (1.0 - lam) * k3_kl(logp, prox_logp)",
+        "(1.0 - lam) * k3_kl(logp, ref_logp) + lam * k3_kl(logp, prox_logp)"),
+    "lambda(t) fixed at 1": (
+        "remix.py", "lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every) if args.kl_convex else 1.0",
+        "lam = 1.0"),
+    "reincarnation keeps the base model as reference": (
+        "remix.py", "    reference.load_state_dict(policy.state_dict())\n", "    pass\n"),
+    "value targets without c_t": (
+        "remix.py", "value_targets = torch.where(mask, trace_c * advantages + values, 0.0)",
+        "value_targets = torch.where(mask, advantages + values, 0.0)"),
+    "biased std in the group advantage": (
+        "remix.py", "group.std(unbiased=True)", "group.std(unbiased=False)"),
+    "trace starts at t instead of t+1": (
+        "remix.py", "adv = delta + gamma * lam * next_c * next_adv  # [B]",
+        "adv = delta + gamma * lam * trace_c[:, t] * next_adv  # [B]"),
+    "deque keeps batches after reincarnation": (
+        "remix.py", "    replay.clear()\n", "    pass\n"),
+}
+
+
+def run(work: Path, expression: str) -> str | None:
+    """The first failing test's name, or None."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:logging", "--tb=no", "-rf",
+                           "-m", "not slow", "-k", expression, "test_remix.py"], cwd=work, capture_output=True, text=True,
+                          env=dict(os.environ, REMIX_DATA=str(ROOT.parent / "shared" / "data"), HF_HUB_OFFLINE="1"))
+    if done.returncode == 5:  # no test selected
+        return None
+    failed = re.findall(r"^FAILED test_remix\.py::(\S+)", done.stdout, re.M)
+    errors = re.findall(r"^ERROR test_remix\.py::(\S+)", done.stdout, re.M)
+    if done.returncode != 0 and not failed and not errors:
+        return "(collection error or crash)"
+    return (failed or errors or [None])[0]
+
+
+def main():
+    names = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "--list" in sys.argv:
+        print("\n".join(MUTANTS))
+        return
+    unknown = [n for n in names if n not in MUTANTS]
+    if unknown:
+        sys.exit(f"mutation_check: unknown mutant {unknown}; --list shows them")
+    chosen = names or list(MUTANTS)
+    print("| mutant | caught by | seconds |\n|---|---|---|", flush=True)
+    survivors = []
+    for name in chosen:
+        path, old, new = MUTANTS[name]
+        with tempfile.TemporaryDirectory(prefix="remix-mutant-") as tmp:
+            work = Path(tmp)
+            for file in FILES:
+                shutil.copy(ROOT / file, work / file)
+            text = (work / path).read_text()
+            if text.count(old) != 1:
+                sys.exit(f"mutation_check: the text of mutant {name!r} occurs {text.count(old)} times in {path}; update it")
+            (work / path).write_text(text.replace(old, new))
+            start = time.perf_counter()
+            caught = run(work, LOOP_TESTS) or run(work, f"not ({LOOP_TESTS})")
+            seconds = time.perf_counter() - start
+        print(f"| {name} | {caught or '**survived**'} | {seconds:.0f} |", flush=True)
+        if caught is None:
+            survivors.append(name)
+    print(f"\n{len(chosen) - len(survivors)} of {len(chosen)} mutants caught")
+    sys.exit(1 if survivors else 0)
+
+
+if __name__ == "__main__":
+    main()
