@@ -36,10 +36,11 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
 from remix_utils import (all_gather, all_reduce, catch_interrupts, check_hub, check_interrupted, check_model_path,
-                         close_pool, fail, full_tensors, init_distributed, Interrupted, interrupted, is_hub_id,
-                         load_optimizers, load_problems, load_trainer_state, make_vllm, map_with_deadline,
-                         micro_batches, offline_hint, prepare_out, prompt_stream, rank, resume_args, RunLog,
-                         save_checkpoint, say, set_rng_state, shard, step_metrics, unsharded, use_logprob_head, world)
+                         close_pool, fail, finish_distributed, full_tensors, init_distributed, Interrupted,
+                         interrupted, is_hub_id, load_optimizers, load_problems, load_trainer_state, make_vllm,
+                         map_with_deadline, micro_batches, offline_hint, prepare_out, prompt_stream, rank,
+                         resume_args, RunLog, save_checkpoint, say, set_rng_state, shard, step_metrics, unsharded,
+                         use_logprob_head, without_dropout, world)
 
 
 @dataclass
@@ -450,11 +451,7 @@ def load_models(args: Args, device: torch.device, checkpoint: str | None = None)
             continue
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        for module in model.modules():  # updates run in training mode: no dropout anywhere (Decision 12)
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0  # the critic's new head has 0.1 (transformers ignores classifier_dropout)
-            if isinstance(getattr(module, "attention_dropout", None), float):
-                module.attention_dropout = 0.0
+        without_dropout(model)  # updates run in training mode (Decision 12)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, shard(policy, device), shard(reference, device), critic and shard(critic, device)
@@ -611,8 +608,9 @@ def sample(llm, policy, tokenizer, prompts: list[tuple], step: int, args: Args, 
         generations = hf_generate(policy, tokenizer, [ids for ids, _, _ in prompts[rank() * share :][:share]],
                                   args.group_size, args, device)
     return [[{"prompt_ids": ids, "response_ids": response or [tokenizer.pad_token_id], "answer": answer,
-              "version": step, "truncated": finish == "length"} for response, finish in group]
-            for (ids, answer, _), group in zip(prompts[rank() * share :][:share], generations)]
+              "version": step, "group": step * 1_000_000 + i, "truncated": finish == "length"}
+             for response, finish in group]
+            for i, ((ids, answer, _), group) in enumerate(zip(prompts[rank() * share :][:share], generations))]
 
 
 def score(fresh: list[dict], tokenizer, args: Args) -> collections.Counter:
@@ -690,9 +688,8 @@ def update(batch: list[dict], policy, critic, optimizers, lam: float, utd: int, 
                     if offset <= i < offset + len(batch)]
             tokens = all_reduce(torch.tensor(float(sum(len(s["response_ids"]) for s in rows))))  # over all ranks
             sums = torch.zeros(len(names) + 1)  # token-weighted sums of the logged terms, and non-finite ones
-            for optim in optimizers:
-                if optim is not None:
-                    optim.zero_grad(set_to_none=True)
+            for optim in filter(None, optimizers):
+                optim.zero_grad(set_to_none=True)
             for micro in micro_batches(rows, args.max_tokens_per_micro_batch, work):
                 mb = collate(micro, device)
                 mask = mb["response_mask"]  # [b, r]
@@ -734,9 +731,8 @@ def update(batch: list[dict], policy, critic, optimizers, lam: float, utd: int, 
             for name, value in zip(names, (sums[:-1] / tokens).tolist()):
                 stats[name].append(value)
             stats["losses/grad_norm"].append(norms[0])
-            for optim in optimizers:
-                if optim is not None:
-                    optim.step()
+            for optim in filter(None, optimizers):
+                optim.step()
             stats["train/optimizer_steps"].append(1)
     for model in models:
         model.eval()
@@ -784,7 +780,7 @@ def train(args: Args, on_step=None) -> dict:
     for seed_fn in (random.seed, np.random.seed, torch.manual_seed):  # after vLLM's start, which reseeds
         seed_fn(args.seed + rank())
     replay: collections.deque = collections.deque(maxlen=args.window)
-    progress = {"step": 0, "rollouts": 0, "tokens": 0, "groups": 0, "data_position": 0, "bad_updates": 0}
+    progress = {"step": 0, "rollouts": 0, "tokens": 0, "data_position": 0, "bad_updates": 0}
     if state is not None:
         replay.extend(state["replay"])
         progress = state["progress"]
@@ -809,10 +805,6 @@ def train(args: Args, on_step=None) -> dict:
             progress["data_position"] = prompts[-1][2]
             groups = sample(llm, policy, tokenizer, prompts, step, args, device)
             gen_seconds = time.perf_counter() - step_start
-            for group in groups:
-                progress["groups"] += 1
-                for s in group:
-                    s["group"] = progress["groups"]
             fresh = [s for group in groups for s in group]
             grader = score(fresh, tokenizer, args)
 
@@ -889,10 +881,8 @@ def main():
             print(f"\nremix: {getattr(interrupt, 'line', 'interrupted while starting; nothing to resume')}",
                   file=sys.stderr, flush=True)
         os._exit(130)
-    if world() > 1:  # every rank has finished; skip the process group's teardown, which can abort at exit
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if world() > 1:
+        finish_distributed()
 
 
 if __name__ == "__main__":

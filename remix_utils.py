@@ -412,6 +412,26 @@ def init_distributed() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
+def clear_cpu_shm():
+    """vLLM's CPU tensor-parallel channel is a shared-memory file whose name is the same for every job under
+    torchrun (external_launcher), so a file left by a killed job makes the next engine fail (errno 17):
+    rank 0 removes them before an engine starts and after the job. One such CPU job at a time per machine."""
+    if rank() == 0:
+        for path in glob.glob("/dev/shm/*-cpushm*"):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    barrier()
+
+
+def finish_distributed():
+    """The end of a torchrun job: every rank has finished; exit without the process group's teardown, which
+    can abort at exit (and vLLM's destroys groups a second time)."""
+    clear_cpu_shm()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -460,14 +480,19 @@ def shard(model, device):
     return fully_shard(model, mp_policy=precision)
 
 
+MAX_PADDING = 0.1  # a micro-batch is at most 10% wider than its shortest sample: padding costs its full share
+
+
 def micro_batches(samples: list[dict], max_tokens: int, work: collections.Counter) -> list[list[dict]]:
     """Samples of similar length grouped into micro-batches of at most max_tokens padded tokens (rows x
-    (longest prompt + longest response)); a longer sample runs alone. Every rank gets the same number
-    (FSDP gathers weights in every pass): a rank with fewer runs empty ones, which collate fills."""
+    (longest prompt + longest response)), each at most MAX_PADDING wider than its shortest sample, so padding
+    stays small; a longer sample runs alone. Every rank gets the same number (FSDP gathers weights in every
+    pass): a rank with fewer runs empty ones, which collate fills."""
     plans, current, widths = [], [], (0, 0)
     for s in sorted(samples, key=lambda s: len(s["prompt_ids"]) + len(s["response_ids"])):
         grown = (max(widths[0], len(s["prompt_ids"])), max(widths[1], len(s["response_ids"])))
-        if current and (len(current) + 1) * sum(grown) > max_tokens:
+        shortest = len(current[0]["prompt_ids"]) + len(current[0]["response_ids"]) if current else 0
+        if current and ((len(current) + 1) * sum(grown) > max_tokens or sum(grown) > (1 + MAX_PADDING) * shortest):
             plans.append(current)
             current, grown = [], (len(s["prompt_ids"]), len(s["response_ids"]))
         current, widths = current + [s], grown
@@ -476,6 +501,16 @@ def micro_batches(samples: list[dict], max_tokens: int, work: collections.Counte
         work["slots"] += len(plan) * (max(len(s["prompt_ids"]) for s in plan) + max(len(s["response_ids"]) for s in plan))
         work["tokens"] += sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in plan)
     return plans + [[]] * (int(all_reduce(torch.tensor(len(plans)), "max")) - len(plans))
+
+
+def without_dropout(model):
+    """Every dropout off: the ratio pi_theta/mu compares a training-mode forward with no-grad ones, so they must
+    compute the same function. (A new critic head has dropout 0.1: transformers 5 ignores classifier_dropout.)"""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def full_tensors(model):
@@ -557,6 +592,8 @@ def make_vllm(args, device):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     extra = {} if device.type == "cpu" else {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
                                               "enable_sleep_mode": args.vllm_sleep}
+    if device.type == "cpu" and args.vllm_tp > 1:
+        clear_cpu_shm()
     if world() > 1:  # torchrun started the processes; each engine joins them instead of starting its own
         extra.update(distributed_executor_backend="external_launcher", tensor_parallel_size=args.vllm_tp)
         if args.vllm_tp > 1 and world() > args.vllm_tp:

@@ -1079,6 +1079,22 @@ def test_torchrun_two_processes_end_to_end(algo, sampler, tiny_model, train_file
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
     assert (checkpoint / "reference" / "config.json").exists() and ((checkpoint / "critic").exists() == (algo == "ppo"))
+    # the sharded reference took pi_T's weights at T = 2: the policy saved at step 2
+    pi_t = AutoModelForCausalLM.from_pretrained(str(out / "checkpoint-2")).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint / "reference")).state_dict()
+    assert all(torch.equal(reference[k], pi_t[k]) for k in pi_t)
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_tensor_parallel_engine(tiny_model, train_file, tmp_path):
+    """--vllm-tp 2: both ranks drive one engine sharded over them; each trains on its half of the responses."""
+    out = tmp_path / "run"
+    done = torchrun(*remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "vllm", "--group-size",
+                               "2", "--vllm-tp", "2", "--steps", "2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(12, 0), (12, 8)]
+    assert all(r["perf/weight_sync_s"] > 0 for r in rows)
 
 
 def worker_pids(agent: int) -> dict[int, int]:
@@ -1471,15 +1487,17 @@ def test_chunked_logprobs_and_gradients_equal_the_plain_computation(chunk):
 
 
 def test_micro_batches_respect_the_budget_and_group_lengths():
-    samples = [{"prompt_ids": [0] * 4, "response_ids": [0] * n} for n in (3, 50, 4, 6, 48, 5, 200)]
+    samples = [{"prompt_ids": [0] * 4, "response_ids": [0] * n} for n in (3, 50, 4, 6, 48, 5, 200, 49, 51)]
     work = collections.Counter()
     plans = remix.micro_batches(samples, 120, work)
-    assert sorted(len(s["response_ids"]) for plan in plans for s in plan) == [3, 4, 5, 6, 48, 50, 200]
+    assert sorted(len(s["response_ids"]) for plan in plans for s in plan) == [3, 4, 5, 6, 48, 49, 50, 51, 200]
     for plan in plans:
         width = max(len(s["prompt_ids"]) for s in plan) + max(len(s["response_ids"]) for s in plan)
-        assert len(plan) * width <= 120 or len(plan) == 1  # a longer response runs alone
-    assert [[len(s["response_ids"]) for s in plan] for plan in plans] == [[3, 4, 5, 6], [48, 50], [200]]
-    assert work["tokens"] == 7 * 4 + 316 and work["slots"] == 4 * 10 + 2 * 54 + 204
+        shortest = min(len(s["prompt_ids"]) + len(s["response_ids"]) for s in plan)
+        assert len(plan) == 1 or (len(plan) * width <= 120 and width <= 1.1 * shortest)  # a longer one runs alone
+    # totals 7, 8, 9, 10: each more than 10% above the one before; 52, 53, 54 together (162 slots > 120 with 55)
+    assert [[len(s["response_ids"]) for s in plan] for plan in plans] == [[3], [4], [5], [6], [48, 49], [50, 51], [200]]
+    assert work["tokens"] == 9 * 4 + 416 and work["slots"] == 7 + 8 + 9 + 10 + 2 * 53 + 2 * 55 + 204
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])

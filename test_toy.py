@@ -5,6 +5,7 @@ hand-made curves. The toy runs themselves are an experiment (python toy.py), not
     pytest -q test_toy.py
 """
 
+import math
 import os
 
 import pytest
@@ -49,14 +50,32 @@ def test_cost_to_reach_is_the_first_evaluation_at_or_above_the_target():
     assert toy.cost_to_reach(curve([0.5, 0.6]), 0.61) is None
 
 
-def test_summary_targets_the_on_policy_mean_final_accuracy():
-    results = [{"config": "grpo", "seed": s, "curve": curve(c)} for s, c in
-               ((1, [0.5, 0.6, 0.7]), (2, [0.5, 0.55, 0.6]))]
-    results += [{"config": "remix-grpo", "seed": s, "curve": curve(c)} for s, c in
-                ((1, [0.5, 0.7, 0.8]), (2, [0.5, 0.6, 0.66]), (3, [0.5, 0.55, 0.6]))]
-    summary = toy.summarize(results)
-    assert summary["grpo"]["target"] == pytest.approx(0.65)  # mean of 0.7 and 0.6
-    assert summary["remix-grpo"]["seeds_reaching_target"] == 2  # seed 3 ends at 0.6
-    assert summary["remix-grpo"]["rollouts_to_target_median"] == 150  # reached at 100 and 200
-    assert summary["grpo"]["rollouts_to_target_median"] == 200  # seed 1 only
-    assert summary["remix-grpo"]["final_accuracy_mean"] == pytest.approx((0.8 + 0.66 + 0.6) / 3)
+def test_median_counts_never_as_never():
+    assert toy.median([3.0, 1.0, 2.0]) == 2.0 and toy.median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert toy.median([1.0, math.inf, math.inf]) == math.inf and toy.median([1.0, 2.0, math.inf]) == 2.0
+    assert toy.median([1.0, 3.0, math.inf, math.inf]) == math.inf  # the middle pair holds a never
+
+
+def test_bootstrap_interval_by_hand():
+    # the median of three draws from (1, 2, 3): P(1) = P(3) = 7/27 (two or three of them), P(2) = 13/27. So the
+    # 5th and 95th percentiles are 1 and 3, and the 30th and 70th are both 2 (P(<= 1) = 0.26 < 0.3, P(<= 2) = 0.74)
+    assert toy.bootstrap_interval([1.0, 2.0, 3.0]) == (1.0, 3.0)
+    assert toy.bootstrap_interval([1.0, 2.0, 3.0], level=0.4) == (2.0, 2.0)
+    # (3, never, never): the median is never unless two draws are 3, P = 7/27 > 5%
+    assert toy.bootstrap_interval([3.0, math.inf, math.inf]) == (3.0, math.inf)
+    assert toy.bootstrap_interval([0.5, 0.5, 0.5]) == (0.5, 0.5)
+
+
+def test_compare_reads_targets_from_hand_made_curves():
+    on_policy = [{"curve": curve([0.5, 0.6, 0.7, 0.72])}, {"curve": curve([0.5, 0.55, 0.6, 0.66])}]
+    remix_runs = [{"curve": curve([0.5, 0.7, 0.75, 0.8])}, {"curve": curve([0.5, 0.6, 0.66, 0.7])},
+                  {"curve": curve([0.5, 0.55, 0.6, 0.65])}]
+    result = toy.compare(remix_runs, on_policy)
+    assert result["target_final"] == pytest.approx(0.69)  # the median of 0.72 and 0.66
+    assert result["half_budget"] == 150 and result["target_half"] == pytest.approx(0.575)  # at 100 rollouts: 0.6, 0.55
+    assert result["remix_rollouts_to_final"]["each"] == [100, 300, math.inf]  # the third never reaches 0.69
+    assert result["remix_rollouts_to_final"]["median"] == 300
+    assert result["on_policy_rollouts_to_final"]["each"] == [200, math.inf]
+    assert result["remix_rollouts_to_half"]["each"] == [100, 100, 200]
+    assert result["remix_tokens_to_half"]["median"] == 1000
+    assert toy.accuracy_at(curve([0.5, 0.6, 0.7]), 150) == 0.6

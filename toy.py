@@ -1,35 +1,49 @@
-"""The paper's claim in miniature, on a CPU in minutes: ReMix against on-policy GRPO and PPO on a toy task.
+"""The paper's claim in miniature, on a CPU: when does ReMix save rollouts on a toy task, and why.
 
-    pip install -r requirements-toy.txt && python toy.py            # about 9.5 minutes on 2 cores
+    pip install -r requirements-toy.txt && pip uninstall -y torchvision torchaudio torchcodec
+    python toy.py            # the short run: about 12 minutes on 2 cores
+    python toy.py --study    # the study behind README's toy section: about 2.5 hours on 2 cores
 
-The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.math_reward. The base model is a
-tiny Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed instruction) trained by
-supervised learning on two answer styles: a quarter of the targets work the running sums out before the
-box ('3+5=8 8+8=16 16+2=18 \\boxed{18}', up to 42 tokens), the rest give the bare '\\boxed{18}' (about 11).
-Response length is free to move either way under RL: the base writes the sums out in about 28% of its
-samples, and those are right less often than its bare answers (about 40% against 57%).
-4,000 training and 300 held-out problems. Every run is the real remix.train loop (transformers sampler),
-with held-out Pass@1 (one sample per problem at temperature 1, from a fixed seed) every 6 steps. The
-paper's time axis is scaled by about 1/8: 24 steps, reincarnation at T = 12, the KL-Convex lambda falling
-after step 4 by 0.1 every 2 steps. The actor lr, 3e-5, is the best of 1e-5 / 3e-5 / 1e-4 for both
-on-policy baselines (docs/toy/lr_sweep.md); TOY_LR, TOY_STEPS and TOY_T override the three.
+The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.math_reward. The base model is a tiny
+Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed instruction) trained by
+supervised learning on two answer styles: a quarter of the targets work the running sums out before the box
+('3+5=8 8+8=16 16+2=18 \\boxed{18}', up to 42 tokens), the rest give the bare '\\boxed{18}' (about 11). So
+response length can move either way under RL. 4,000 training and 1,000 held-out problems. Every run is the
+real remix.train loop (transformers sampler), with held-out Pass@1 (one sample per problem at temperature 1,
+from a fixed seed on a forked RNG) every --eval-every steps. The paper's time axis is scaled by about 1/8:
+24 steps, reincarnation at T = 12, lambda(t) falling after step T/3 by 0.1 every 2 steps. GRPO runs 8 prompts
+x 8, PPO 64 prompts x 1. The on-policy baselines are remix.py's --on-policy: p = 0, m = 1, no reincarnation,
+KL to the base model only.
 
-Writes to --out: results.json (per configuration and seed: accuracy after each evaluation, rollouts and
-generated tokens so far, wall seconds; and the cost to reach a target accuracy), results.md, and the
-plots accuracy_vs_rollouts.png, accuracy_vs_tokens.png and length_vs_step.png; then a step-time
-comparison with TRL's GRPOTrainer on the same model and batch (trl_step_time.json).
+The short run trains the four headline configurations and three ablations at one lr, then times TRL's
+GRPOTrainer against remix.py. The study:
+  1. lr sweep: ReMix-GRPO, GRPO, ReMix-PPO and PPO at actor lr 1e-5, 3e-5 and 1e-4, 5 seeds each;
+  2. at each method's best lr (highest median final accuracy): on-policy at 2x and 4x ReMix's best lr (does a
+     larger on-policy step buy the same saving?), ReMix-GRPO's p sweep (0, 0.2, 0.6; 0.4 is the default),
+     and 60-step runs (T = 30) of the headline pairs.
+Targets: the rollouts (and generated tokens) each method needs to reach on-policy's final accuracy, and the
+accuracy on-policy reaches at half its budget; medians over seeds with bootstrap 90% intervals; a seed that
+never reaches a target counts as never. Per step, for historical samples, the mean log(pi_k/mu) and the mean
+advantage by response-length bucket (the Whipping-Effect question).
+
+Writes to --out: results.json (one record per run: config, seed, lr, steps, T, curve of step / accuracy /
+rollouts / tokens / length / worked share, and per-step statistics), results.md, and the plots.
 """
 
-import argparse
-import json
 import concurrent.futures
+import dataclasses
+import json
+import math
 import os
 import random
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import tyro
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,19 +53,13 @@ SUPERVISED_STEPS, SUPERVISED_LR = 1500, 1e-3
 MAX_TOKENS = 48  # the longest worked answer (five 9s) is 42 tokens with EOS
 TEST, VAL, TRAIN = 1000, 200, 4000
 EVAL_TEMPERATURE = 1.0  # held-out Pass@1 of one sample per problem at the training temperature; 0 = greedy
-STEPS, T = int(os.environ.get("TOY_STEPS", 24)), int(os.environ.get("TOY_T", 12))
-SHARED = dict(steps=STEPS, reincarnate_step=T, kl_convex_start=T // 3, kl_convex_every=2,
-              max_response_tokens=MAX_TOKENS,
-              temperature=1.0, actor_lr=float(os.environ.get("TOY_LR", 3e-5)), critic_lr=1e-3, sampler="hf",
-              save_every=0, grader_workers=1, max_prompt_tokens=256)
 GRPO = dict(algo="grpo", prompts_per_step=8, group_size=8, mini_batch_prompts=4)
 PPO = dict(algo="ppo", prompts_per_step=64, group_size=1, mini_batch_prompts=32)
-ON_POLICY = dict(on_policy=True)  # p = 0, m = 1, no reincarnation, KL to the base model only
 CONFIGS = {  # name -> remix.Args overrides; ReMix is the paper's defaults p = 0.4, N = 2, m = 2
     "remix-grpo": GRPO,
-    "grpo": {**GRPO, **ON_POLICY},
+    "grpo": {**GRPO, "on_policy": True},
     "remix-ppo": PPO,
-    "ppo": {**PPO, **ON_POLICY},
+    "ppo": {**PPO, "on_policy": True},
     "remix-grpo/no-utd": {**GRPO, "utd": 1},
     "remix-grpo/no-kl-convex": {**GRPO, "kl_convex": False},
     "remix-grpo/no-reincarnation": {**GRPO, "reincarnation": False},
@@ -59,7 +67,40 @@ CONFIGS = {  # name -> remix.Args overrides; ReMix is the paper's defaults p = 0
     "remix-grpo/p=0.2": {**GRPO, "off_policy_p": 0.2},
     "remix-grpo/p=0.6": {**GRPO, "off_policy_p": 0.6},
 }
+PAIRS = {"GRPO": ("remix-grpo", "grpo"), "PPO": ("remix-ppo", "ppo")}  # algorithm -> (ReMix, on-policy)
+SHORT = ("remix-grpo", "grpo", "remix-ppo", "ppo", "remix-grpo/no-utd", "remix-grpo/no-kl-convex",
+         "remix-grpo/no-reincarnation")
+STUDY_LRS = (1e-5, 3e-5, 1e-4)
 P_SWEEP = {0.0: "remix-grpo/p=0.0", 0.2: "remix-grpo/p=0.2", 0.4: "remix-grpo", 0.6: "remix-grpo/p=0.6"}
+BUCKETS = ((0, 12), (13, 20), (21, 30), (31, MAX_TOKENS))  # response lengths (tokens) for the per-step statistics
+
+
+@dataclass
+class ToyArgs:
+    out: str = "runs/toy"
+    """output folder: results.json, results.md and the plots"""
+    cache: str = "runs/toy-cache"
+    """where the toy's data splits and base model are kept (built once, about 3 minutes)"""
+    study: bool = False
+    """run the whole study (lr sweep, mechanism, p sweep, 60-step runs) instead of the short run"""
+    seeds: int | None = None
+    """seeds per configuration (default: 3 for the short run, 5 for the study)"""
+    configs: tuple[str, ...] = SHORT
+    """configurations of the short run"""
+    lr: float = 3e-5
+    """actor learning rate of the short run (the study sweeps its own)"""
+    steps: int = 24
+    """training steps per run (the study's durability runs use 60)"""
+    reincarnate_step: int = 12
+    """T, the last mix-stage step (the study's durability runs use 30)"""
+    eval_every: int = 3
+    """held-out evaluation every this many steps"""
+    workers: int = 2
+    """runs in parallel, one core each"""
+    trl_rounds: int = 1
+    """rounds of the TRL step-time comparison after the short run (0 skips it)"""
+    jobs: tuple[str, ...] = ()
+    """(internal: how the workers are started) runs for one worker process, as config@seed@lr@steps@T"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,62 +202,122 @@ def build_toy(cache: Path, seed: int = 0) -> Path:
 # ----------------------------------------------------------------------------------------------
 # One training run: the real remix.train loop, with held-out accuracy every few steps
 # ----------------------------------------------------------------------------------------------
-def run_dir(out: str, name: str, seed: int) -> Path:
-    return Path(out) / "runs" / name.replace("/", "_") / f"seed{seed}"
+def job_name(config: str, seed: int, lr: float, steps: int, T: int) -> str:
+    return f"{config}@{seed}@{lr:g}@{steps}@{T}"
 
 
-def run(name: str, seed: int, toy: str, out: str, eval_every: int) -> dict:
+def run_dir(out: str, job: str) -> Path:
+    config, seed, lr, steps, T = job.split("@")
+    return Path(out) / "runs" / config.replace("/", "_") / f"lr{lr}-steps{steps}-T{T}" / f"seed{seed}"
+
+
+def run_args(config: str, seed: int, lr: float, steps: int, T: int, toy: str, folder: Path):
+    import remix
+
+    shared = dict(steps=steps, reincarnate_step=T, kl_convex_start=T // 3, kl_convex_every=2,
+                  max_response_tokens=MAX_TOKENS, temperature=1.0, actor_lr=lr, critic_lr=1e-3, sampler="hf",
+                  save_every=0, grader_workers=1, max_prompt_tokens=256, overwrite=True)
+    return remix.Args(**{**shared, **CONFIGS[config]}, model=str(Path(toy) / "base"),
+                      dataset=str(Path(toy) / "train.jsonl"), out=str(folder), seed=seed)
+
+
+def bucket_of(length: int) -> str:
+    return next(f"{lo}-{hi}" for lo, hi in BUCKETS if lo <= length <= hi)
+
+
+def run(job: str, toy: str, out: str, eval_every: int) -> dict:
     import torch
 
     torch.set_num_threads(1)  # two runs share the two cores
     import remix
 
+    config, seed, lr, steps, T = job.split("@")
+    seed, lr, steps, T = int(seed), float(lr), int(steps), int(T)
     test = [json.loads(line) for line in open(Path(toy) / "test.jsonl")]
     meta = json.loads((Path(toy) / "meta.json").read_text())
     curve = [{"step": 0, "accuracy": meta["test_accuracy"], "length": meta["test_length"],
               "worked_share": meta["test_worked_share"], "rollouts": 0, "tokens": 0, "seconds": 0.0}]
-    start = time.perf_counter()
+    per_step, start = [], time.perf_counter()
 
-    def evaluate(step, record, policy, tokenizer, batch):
-        if step % eval_every == 0 or step == STEPS:
-            accuracy, length, worked = pass_at_1(policy, tokenizer, test, EVAL_TEMPERATURE)
+    def on_step(step, record, policy, tokenizer, batch):
+        # the Whipping-Effect question: for historical samples, log(pi_k / mu) and the advantage by length
+        buckets = {}
+        for s in batch:
+            if s["version"] < step:
+                entry = buckets.setdefault(bucket_of(len(s["response_ids"])), [0, 0.0, 0.0])
+                entry[0] += 1
+                entry[1] += (s["prox_logp"] - s["behaviour_logp"]).mean().item()
+                entry[2] += s["advantages"].mean().item()
+        fresh = [s for s in batch if s["version"] == step]
+        worked = sum(not tokenizer.decode(s["response_ids"], skip_special_tokens=True).lstrip().startswith("\\boxed")
+                     for s in fresh) / len(fresh)
+        per_step.append({"step": step, "reward": record["reward/mean"], "length": record["response/length_mean"],
+                         "worked_share": worked, "log_ratio_sd": record["offpolicy/log_ratio_std"],
+                         "trace_prod_mean": record["offpolicy/trace_prod_mean"],
+                         "historical_by_length": {k: {"n": n, "log_ratio": lr_sum / n, "advantage": adv_sum / n}
+                                                  for k, (n, lr_sum, adv_sum) in sorted(buckets.items())}})
+        if step % eval_every == 0 or step == steps:
+            accuracy, length, worked_eval = pass_at_1(policy, tokenizer, test, EVAL_TEMPERATURE)
             record["eval/accuracy"] = accuracy
-            curve.append({"step": step, "accuracy": accuracy, "length": length, "worked_share": worked,
+            curve.append({"step": step, "accuracy": accuracy, "length": length, "worked_share": worked_eval,
                           "rollouts": record["rollouts/total"], "tokens": record["rollouts/generated_tokens"],
                           "seconds": time.perf_counter() - start})
 
-    folder = run_dir(out, name, seed)
-    args = remix.Args(**{**SHARED, **CONFIGS[name]}, model=str(Path(toy) / "base"),
-                      dataset=str(Path(toy) / "train.jsonl"), out=str(folder), seed=seed)
+    folder = run_dir(out, job)
     import contextlib
     import io
 
-    with contextlib.redirect_stderr(io.StringIO()):  # the progress bars of parallel runs would interleave
-        remix.train(args, on_step=evaluate)
-    steps = [json.loads(line) for line in open(folder / "metrics.jsonl")]
-    result = {"config": name, "seed": seed, "curve": curve,
-              "length": [s["response/length_mean"] for s in steps], "reward": [s["reward/mean"] for s in steps]}
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):  # parallel bars
+        remix.train(run_args(config, seed, lr, steps, T, toy, folder), on_step=on_step)
+    result = {"config": config, "seed": seed, "lr": lr, "steps": steps, "T": T, "curve": curve, "per_step": per_step}
     (folder / "curve.json").write_text(json.dumps(result))
-    print(f"toy: {name} seed {seed}: accuracy {curve[0]['accuracy']:.2f} -> {curve[-1]['accuracy']:.2f}, "
-          f"{curve[-1]['rollouts']} rollouts, {curve[-1]['seconds']:.0f} s", flush=True)
+    print(f"toy: {config} lr {lr:g} seed {seed} ({steps} steps): accuracy {curve[0]['accuracy']:.3f} -> "
+          f"{curve[-1]['accuracy']:.3f}, {curve[-1]['rollouts']} rollouts, {curve[-1]['seconds']:.0f} s", flush=True)
     return result
 
 
-def runs_in_process(jobs: list[tuple], toy: str, out: str, eval_every: int) -> list[dict]:
-    """Several runs, one after the other, in one process with one torch thread: the imports and the
-    grader worker are paid once per process, not once per run."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(HERE / "toy.py"), "--runs", *[f"{n}@{s}" for n, s in jobs],
-                           "--cache", toy, "--out", out, "--eval-every", str(eval_every)], env=env,
-                          stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"toy runs {jobs} failed:\n{done.stderr[-3000:]}")
-    return [json.loads((run_dir(out, n, s) / "curve.json").read_text()) for n, s in jobs]
+def run_jobs(jobs: list[str], cli: ToyArgs, toy: str) -> list[dict]:
+    """The jobs over --workers processes with one core each; each process runs its share one after another,
+    so imports and the grader worker are paid once per process. Finished runs are read back, not repeated."""
+    todo = [j for j in jobs if not (run_dir(cli.out, j) / "curve.json").exists()]
+
+    def worker(share):
+        if not share:
+            return
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+        done = subprocess.run([sys.executable, str(HERE / "toy.py"), "--cache", toy, "--out", cli.out, "--eval-every",
+                               str(cli.eval_every), "--jobs", *share], env=env, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"toy runs {share} failed:\n{done.stderr[-3000:]}")
+
+    with concurrent.futures.ThreadPoolExecutor(cli.workers) as pool:
+        list(pool.map(worker, [todo[i :: cli.workers] for i in range(cli.workers)]))
+    return [json.loads((run_dir(cli.out, j) / "curve.json").read_text()) for j in jobs]
 
 
 # ----------------------------------------------------------------------------------------------
-# Summaries and plots
+# Summaries: targets, medians with bootstrap intervals
 # ----------------------------------------------------------------------------------------------
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of sorted values; infinities allowed."""
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
+
+
+def median(values: list[float]) -> float:
+    """The median, with infinities ('never') allowed: the mean of the two middle values, inf if either is."""
+    ordered, n = sorted(values), len(values)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def bootstrap_interval(values: list[float], stat=median, level: float = 0.9, draws: int = 4000,
+                       seed: int = 0) -> tuple[float, float]:
+    """The (1 - level)/2 and (1 + level)/2 nearest-rank percentiles of stat over resamples of values with
+    replacement: a 90% interval by default. Infinite values (a seed that never reached) take part as such."""
+    rng = random.Random(seed)
+    stats = sorted(stat([rng.choice(values) for _ in values]) for _ in range(draws))
+    return percentile(stats, (1 - level) / 2), percentile(stats, (1 + level) / 2)
+
+
 def cost_to_reach(curve: list[dict], target: float) -> dict | None:
     """Rollouts, tokens and seconds at the first evaluation at or above the target accuracy."""
     for point in curve:
@@ -225,90 +326,244 @@ def cost_to_reach(curve: list[dict], target: float) -> dict | None:
     return None
 
 
-def summarize(results: list[dict]) -> dict:
-    by_config: dict = {}
+def accuracy_at(curve: list[dict], rollouts: float) -> float:
+    """Accuracy at the last evaluation within a rollout budget."""
+    return [p["accuracy"] for p in curve if p["rollouts"] <= rollouts][-1]
+
+
+def spread(values: list[float]) -> dict:
+    lo, hi = bootstrap_interval(values)
+    return {"median": median(values), "lo": lo, "hi": hi, "each": values}
+
+
+def fmt(entry: dict, digits: int = 3, scale: float = 1.0) -> str:
+    show = lambda x: "never" if x == math.inf else f"{x * scale:,.{digits}f}"  # noqa: E731
+    return f"{show(entry['median'])} [{show(entry['lo'])}, {show(entry['hi'])}]"
+
+
+def by_method(results: list[dict]) -> dict:
+    groups: dict = {}
     for r in results:
-        by_config.setdefault(r["config"], []).append(r)
-    summary = {}
-    for name, runs in by_config.items():
-        finals = [r["curve"][-1]["accuracy"] for r in runs]
-        summary[name] = {"final_accuracy_mean": statistics.mean(finals), "final_accuracy_each": finals,
-                         "start_accuracy": statistics.mean(r["curve"][0]["accuracy"] for r in runs),
-                         "rollouts": statistics.mean(r["curve"][-1]["rollouts"] for r in runs),
-                         "tokens": statistics.mean(r["curve"][-1]["tokens"] for r in runs),
-                         "final_worked_share": statistics.mean(r["curve"][-1]["worked_share"] for r in runs),
-                         "final_length": statistics.mean(r["curve"][-1]["length"] for r in runs),
-                         "seconds": statistics.mean(r["curve"][-1]["seconds"] for r in runs)}
-    for remix_name, base in (("remix-grpo", "grpo"), ("remix-ppo", "ppo")):
-        if remix_name not in summary or base not in summary:
-            continue
-        target = summary[base]["final_accuracy_mean"]  # the on-policy method's final accuracy
-        for name in (remix_name, base):
-            reached = [cost_to_reach(r["curve"], target) for r in by_config[name]]
-            summary[name]["target"] = target
-            summary[name]["to_target"] = reached
-            summary[name]["seeds_reaching_target"] = sum(x is not None for x in reached)
-            costs = [x["rollouts"] for x in reached if x is not None]
-            summary[name]["rollouts_to_target_median"] = statistics.median(costs) if costs else None
+        groups.setdefault((r["config"], r["lr"], r["steps"]), []).append(r)
+    return groups
+
+
+def best_lrs(groups: dict, steps: int) -> dict:
+    """Each method's lr with the highest median final accuracy (the study's sweep)."""
+    best = {}
+    for name in ("remix-grpo", "grpo", "remix-ppo", "ppo"):
+        finals = {lr: median([r["curve"][-1]["accuracy"] for r in runs]) for (c, lr, s), runs in groups.items()
+                  if c == name and s == steps and lr in STUDY_LRS}
+        if finals:
+            best[name] = max(finals, key=finals.get)
+    return best
+
+
+def compare(remix_runs: list[dict], base_runs: list[dict]) -> dict:
+    """ReMix against on-policy: rollouts and tokens to on-policy's median final accuracy, and to the accuracy
+    on-policy reaches at half its rollout budget; never = infinity."""
+    target = median([r["curve"][-1]["accuracy"] for r in base_runs])
+    half_budget = base_runs[0]["curve"][-1]["rollouts"] / 2
+    half = median([accuracy_at(r["curve"], half_budget) for r in base_runs])
+    out = {"target_final": target, "target_half": half, "half_budget": half_budget}
+    for side, runs in (("remix", remix_runs), ("on_policy", base_runs)):
+        for name, goal in (("final", target), ("half", half)):
+            reached = [cost_to_reach(r["curve"], goal) for r in runs]
+            for unit in ("rollouts", "tokens"):
+                out[f"{side}_{unit}_to_{name}"] = spread([x[unit] if x else math.inf for x in reached])
+        out[f"{side}_final_accuracy"] = spread([r["curve"][-1]["accuracy"] for r in runs])
+        out[f"{side}_rollouts"] = runs[0]["curve"][-1]["rollouts"]
+    return out
+
+
+def length_table(runs: list[dict]) -> dict:
+    """Mean log(pi_k / mu) and mean advantage of historical samples by response length, over steps and seeds."""
+    table = {}
+    for r in runs:
+        for step in r["per_step"]:
+            for bucket, e in step["historical_by_length"].items():
+                entry = table.setdefault(bucket, [0, 0.0, 0.0])
+                entry[0] += e["n"]
+                entry[1] += e["log_ratio"] * e["n"]
+                entry[2] += e["advantage"] * e["n"]
+    return {b: {"samples": n, "log_ratio": s / n, "advantage": a / n} for b, (n, s, a) in sorted(
+        table.items(), key=lambda kv: int(kv[0].split("-")[0]))}
+
+
+def summarize(results: list[dict], cli: ToyArgs) -> dict:
+    groups = by_method(results)
+    summary = {"methods": {}, "headline": {}}
+    for (config, lr, steps), runs in sorted(groups.items(), key=lambda kv: (kv[0][2], list(CONFIGS).index(kv[0][0]), kv[0][1])):
+        summary["methods"][f"{config} lr {lr:g} {steps} steps"] = {
+            "config": config, "lr": lr, "steps": steps, "seeds": len(runs),
+            "final_accuracy": spread([r["curve"][-1]["accuracy"] for r in runs]),
+            "rollouts": runs[0]["curve"][-1]["rollouts"], "tokens": median([r["curve"][-1]["tokens"] for r in runs]),
+            "final_length": median([r["curve"][-1]["length"] for r in runs]),
+            "final_worked_share": median([r["curve"][-1]["worked_share"] for r in runs]),
+            "seconds": median([r["curve"][-1]["seconds"] for r in runs])}
+    best = best_lrs(groups, cli.steps) if cli.study else {name: cli.lr for name in CONFIGS}
+    summary["best_lr"] = best if cli.study else {}
+    for algo, (remix_name, base) in PAIRS.items():
+        for steps in sorted({s for (_, _, s) in groups}):
+            mine, theirs = groups.get((remix_name, best.get(remix_name), steps)), groups.get((base, best.get(base), steps))
+            if mine and theirs:
+                summary["headline"][f"{algo} {steps} steps"] = {"remix_lr": best[remix_name], "on_policy_lr": best[base],
+                                                                **compare(mine, theirs)}
+        # the mechanism: on-policy at 2x and 4x ReMix's lr, on the same targets
+        headline = summary["headline"].get(f"{algo} {cli.steps} steps")
+        for factor in (2, 4):
+            runs = groups.get((base, float(f"{factor * best.get(remix_name, 0):g}"), cli.steps))
+            if headline and runs:
+                reached = [cost_to_reach(r["curve"], headline["target_final"]) for r in runs]
+                half = [cost_to_reach(r["curve"], headline["target_half"]) for r in runs]
+                summary["headline"][f"{algo} {cli.steps} steps"][f"on_policy_{factor}x_lr"] = {
+                    "lr": runs[0]["lr"], "final_accuracy": spread([r["curve"][-1]["accuracy"] for r in runs]),
+                    "rollouts_to_final": spread([x["rollouts"] if x else math.inf for x in reached]),
+                    "rollouts_to_half": spread([x["rollouts"] if x else math.inf for x in half])}
+    summary["whipping"] = {name: length_table(groups[(name, best[name], cli.steps)])
+                           for name in ("remix-grpo", "remix-ppo") if (name, best.get(name), cli.steps) in groups}
+    summary["p_sweep"] = {p: {"final_accuracy": spread([r["curve"][-1]["accuracy"] for r in groups[key]]),
+                              "length_first_last": [median([r["per_step"][0]["length"] for r in groups[key]]),
+                                                    median([r["per_step"][-1]["length"] for r in groups[key]])],
+                              "worked_share_first_last": [median([r["per_step"][0]["worked_share"] for r in groups[key]]),
+                                                          median([r["per_step"][-1]["worked_share"] for r in groups[key]])],
+                              "log_ratio_sd": median([statistics.mean(x["log_ratio_sd"] for x in r["per_step"])
+                                                      for r in groups[key]])}
+                          for p, name in P_SWEEP.items()
+                          for key in [(name, best.get("remix-grpo"), cli.steps)] if key in groups}
     return summary
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| configuration | seeds | start acc | final acc (mean) | final acc (each seed) | rollouts | tokens | "
-             "seconds | final length | final worked share | target | seeds at target | median rollouts to target |",
-             "|" + "---|" * 13]
-    for name, s in summary.items():
-        lines.append(f"| {name} | {len(s['final_accuracy_each'])} | {s['start_accuracy']:.3f} | "
-                     f"{s['final_accuracy_mean']:.3f} | {', '.join(f'{a:.3f}' for a in s['final_accuracy_each'])} | "
-                     f"{s['rollouts']:.0f} | {s['tokens']:.0f} | {s['seconds']:.0f} | {s['final_length']:.1f} | "
-                     f"{s['final_worked_share']:.2f} | {s.get('target', float('nan')):.3f} | "
-                     f"{s.get('seeds_reaching_target', '')} | "
-                     f"{s.get('rollouts_to_target_median') or ''} |")
+    lines = ["## Configurations (medians over seeds, bootstrap 90% intervals)", "",
+             "| configuration | lr | steps | seeds | final Pass@1 | rollouts | generated tokens | final length | "
+             "final worked share |", "|" + "---|" * 9]
+    for m in summary["methods"].values():
+        lines.append(f"| {m['config']} | {m['lr']:g} | {m['steps']} | {m['seeds']} | {fmt(m['final_accuracy'])} | "
+                     f"{m['rollouts']:,} | {m['tokens']:,.0f} | {m['final_length']:.1f} | {m['final_worked_share']:.2f} |")
+    if summary["best_lr"]:
+        lines += ["", "Best lr (highest median final Pass@1): " + ", ".join(f"{k} {v:g}" for k, v in summary["best_lr"].items())]
+    lines += ["", "## ReMix against on-policy, each at its lr", "",
+              "| pair | target | ReMix: rollouts to it | on-policy: rollouts to it | ReMix: tokens to it | on-policy: tokens to it |",
+              "|" + "---|" * 6]
+    for name, h in summary["headline"].items():
+        for key, label in (("final", f"on-policy's final {h['target_final']:.3f}"),
+                           ("half", f"on-policy at half its budget ({h['half_budget']:,.0f} rollouts): {h['target_half']:.3f}")):
+            lines.append(f"| {name} (lr {h['remix_lr']:g} vs {h['on_policy_lr']:g}) | {label} | "
+                         f"{fmt(h[f'remix_rollouts_to_{key}'], 0)} | {fmt(h[f'on_policy_rollouts_to_{key}'], 0)} | "
+                         f"{fmt(h[f'remix_tokens_to_{key}'], 0)} | {fmt(h[f'on_policy_tokens_to_{key}'], 0)} |")
+    mechanism = [(n, f, h[f"on_policy_{f}x_lr"]) for n, h in summary["headline"].items() for f in (2, 4)
+                 if f"on_policy_{f}x_lr" in h]
+    if mechanism:
+        lines += ["", "## Mechanism: on-policy with a larger step, against ReMix at 1x", "",
+                  "| pair | on-policy lr | final Pass@1 | rollouts to on-policy's final | rollouts to its half-budget accuracy |",
+                  "|" + "---|" * 5]
+        for name, factor, m in mechanism:
+            lines.append(f"| {name} | {m['lr']:g} ({factor}x ReMix's) | {fmt(m['final_accuracy'])} | "
+                         f"{fmt(m['rollouts_to_final'], 0)} | {fmt(m['rollouts_to_half'], 0)} |")
+    if summary["p_sweep"]:
+        lines += ["", "## ReMix-GRPO's off-policy share p", "",
+                  "| p | final Pass@1 | sampled length, step 1 -> last | worked share, step 1 -> last | per-token sd of log(pi_k/mu) |",
+                  "|" + "---|" * 5]
+        for p, e in summary["p_sweep"].items():
+            lines.append(f"| {p} | {fmt(e['final_accuracy'])} | {e['length_first_last'][0]:.1f} -> {e['length_first_last'][1]:.1f} | "
+                         f"{e['worked_share_first_last'][0]:.2f} -> {e['worked_share_first_last'][1]:.2f} | {e['log_ratio_sd']:.3f} |")
+    if summary["whipping"]:
+        lines += ["", "## Historical samples by response length (all steps and seeds)", "",
+                  "| method | length (tokens) | samples | mean log(pi_k/mu) | mean advantage |", "|" + "---|" * 5]
+        for name, table in summary["whipping"].items():
+            for bucket, e in table.items():
+                lines.append(f"| {name} | {bucket} | {e['samples']:,} | {e['log_ratio']:+.4f} | {e['advantage']:+.3f} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict], out: Path):
+# ----------------------------------------------------------------------------------------------
+# Plots
+# ----------------------------------------------------------------------------------------------
+def finish(fig, axes, ylabels, xlabel: str, path: Path, log_x=False, zero_line=False, vline=None):
+    """Label, grid and legend each panel, then write the figure."""
+    import matplotlib.pyplot as plt
+
+    for ax, label in zip(axes, ylabels):
+        if log_x:
+            ax.set_xscale("log")
+        if zero_line:
+            ax.axhline(0, color="grey", lw=0.8)
+        if vline is not None:
+            ax.axvline(vline, color="grey", linestyle=":")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot(results: list[dict], summary: dict, out: Path, cli: ToyArgs):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    def mean_curve(name, key):
-        runs = [r["curve"] for r in results if r["config"] == name]
-        x = np.mean([[p[key] for p in c] for c in runs], axis=0)
-        y = np.array([[p["accuracy"] for p in c] for c in runs])
-        return x, y.mean(0), y.std(0)
+    groups = by_method(results)
+    best = summary["best_lr"] or {name: cli.lr for name in CONFIGS}
 
-    for key, label, filename in (("rollouts", "rollouts", "accuracy_vs_rollouts.png"),
-                                 ("tokens", "generated tokens", "accuracy_vs_tokens.png")):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for ax, pair in zip(axes, (("remix-grpo", "grpo"), ("remix-ppo", "ppo"))):
-            for name in pair:
-                x, m, s = mean_curve(name, key)
-                ax.plot(x, m, label=name)
-                ax.fill_between(x, m - s, m + s, alpha=0.2)
-            ax.set_xlabel(label)
-            ax.set_title(" vs ".join(pair) + " (mean +- std over seeds)")
-            ax.legend()
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("held-out Pass@1 (one sample at T = 1)")
-        fig.tight_layout()
-        fig.savefig(out / filename, dpi=110)
-        plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p, name in P_SWEEP.items():
-        lengths = np.mean([r["length"] for r in results if r["config"] == name], axis=0)
-        ax.plot(np.arange(1, len(lengths) + 1), lengths, label=f"p = {p}")
-    ax.axvline(T, color="grey", linestyle=":", label="reincarnation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean sampled response length (tokens)")
-    ax.set_title("ReMix-GRPO: off-policy share p")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "length_vs_step.png", dpi=110)
-    plt.close(fig)
+    def band(runs, key):
+        points = list(zip(*[r["curve"] for r in runs]))
+        x = [median([p[key] for p in column]) for column in points]
+        spreads = [spread([p["accuracy"] for p in column]) for column in points]
+        return x, [s["median"] for s in spreads], [s["lo"] for s in spreads], [s["hi"] for s in spreads]
+
+    for steps in sorted({s for (_, _, s) in groups}):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+        for ax, (algo, (remix_name, base)) in zip(axes, PAIRS.items()):
+            lines = [(remix_name, best.get(remix_name)), (base, best.get(base))]
+            lines += [(base, float(f"{f * best.get(remix_name, 0):g}")) for f in (2, 4) if steps == cli.steps]
+            for name, lr in lines:
+                runs = groups.get((name, lr, steps))
+                if runs:
+                    x, m, lo, hi = band(runs, "rollouts")
+                    ax.plot(x, m, marker=".", label=f"{name}, lr {lr:g}")
+                    ax.fill_between(x, lo, hi, alpha=0.15)
+            ax.set_title(f"{algo}, {steps} steps: median over seeds, 90% bootstrap band")
+        finish(fig, axes, ("held-out Pass@1 (1,000 problems, one sample at T = 1)", ""), "rollouts",
+               out / f"accuracy_vs_rollouts_{steps}steps.png")
+    if summary["best_lr"]:  # the lr map
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for name in ("remix-grpo", "grpo", "remix-ppo", "ppo"):
+            algo = "GRPO" if "grpo" in name else "PPO"
+            target = summary["headline"].get(f"{algo} {cli.steps} steps", {}).get("target_final")
+            lrs = [lr for lr in STUDY_LRS if (name, lr, cli.steps) in groups]
+            finals = [spread([r["curve"][-1]["accuracy"] for r in groups[(name, lr, cli.steps)]]) for lr in lrs]
+            axes[0].errorbar(lrs, [f["median"] for f in finals], yerr=[[f["median"] - f["lo"] for f in finals],
+                             [f["hi"] - f["median"] for f in finals]], marker="o", capsize=3, label=name)
+            if target is not None:
+                costs = [median([(cost_to_reach(r["curve"], target) or {"rollouts": math.inf})["rollouts"]
+                                 for r in groups[(name, lr, cli.steps)]]) for lr in lrs]
+                axes[1].plot(lrs, [c if c != math.inf else float("nan") for c in costs], marker="o", label=name)
+        finish(fig, axes, ("final Pass@1 (median, 90% interval)",
+                           "median rollouts to on-policy's best final Pass@1 (gap: never)"), "actor lr", out / "lr_map.png",
+               log_x=True)
+    if summary["whipping"]:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        for name, table in summary["whipping"].items():
+            buckets = list(table)
+            axes[0].plot(buckets, [table[b]["log_ratio"] for b in buckets], marker="o", label=name)
+            axes[1].plot(buckets, [table[b]["advantage"] for b in buckets], marker="o", label=name)
+        finish(fig, axes, ("mean log(pi_k / mu), historical samples", "mean advantage, historical samples"),
+               "response length (tokens)", out / "log_ratio_vs_length.png", zero_line=True)
+    if summary["p_sweep"]:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        for p, name in P_SWEEP.items():
+            runs = groups.get((name, best.get("remix-grpo"), cli.steps))
+            if runs:
+                steps = [s["step"] for s in runs[0]["per_step"]]
+                for ax, key in zip(axes, ("length", "worked_share")):
+                    ax.plot(steps, [statistics.mean(r["per_step"][i][key] for r in runs) for i in range(len(steps))],
+                            label=f"p = {p}")
+        finish(fig, axes, ("mean sampled length (tokens)", "share of worked answers"), "step",
+               out / "length_vs_step.png", vline=cli.reincarnate_step)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,21 +587,10 @@ def trl_comparison(toy: Path, out: Path, rounds: int, steps: int) -> dict:
     return result
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/toy")
-    parser.add_argument("--cache", default="runs/toy-cache", help="where the toy data and base model are kept")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), help=f"any of {list(CONFIGS)}")
-    parser.add_argument("--eval-every", type=int, default=6)
-    parser.add_argument("--workers", type=int, default=2, help="runs in parallel (one core each)")
-    parser.add_argument("--trl-rounds", type=int, default=1, help="0 skips the TRL step-time comparison")
-    parser.add_argument("--runs", nargs="+", metavar="CONFIG@SEED", help=argparse.SUPPRESS)
-    cli = parser.parse_args()
-    if cli.runs:
-        for job in cli.runs:
-            name, seed = job.rsplit("@", 1)
-            run(name, int(seed), cli.cache, cli.out, cli.eval_every)
+def main(cli: ToyArgs):
+    if cli.jobs:
+        for job in cli.jobs:
+            run(job, cli.cache, cli.out, cli.eval_every)
         return
     unknown = [c for c in cli.configs if c not in CONFIGS]
     if unknown:
@@ -356,27 +600,35 @@ def main():
     out = Path(cli.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    toy = build_toy(Path(cli.cache))
-    print(f"toy: base model {json.loads((toy / 'meta.json').read_text())}", flush=True)
-    jobs = [(name, seed) for seed in range(1, cli.seeds + 1) for name in cli.configs]
-    with concurrent.futures.ThreadPoolExecutor(cli.workers) as pool:  # worker i takes jobs i, i + workers, ...
-        shares = pool.map(lambda i: runs_in_process(jobs[i::cli.workers], str(toy), str(out), cli.eval_every),
-                          range(cli.workers))
-        results = sorted((r for share in shares for r in share),
-                         key=lambda r: (list(CONFIGS).index(r["config"]), r["seed"]))
-    summary = summarize(results)
+    toy = str(build_toy(Path(cli.cache)))
+    print(f"toy: base model {json.loads((Path(toy) / 'meta.json').read_text())}", flush=True)
+    seeds = range(1, (cli.seeds or (5 if cli.study else 3)) + 1)
+    if cli.study:
+        four = ("remix-grpo", "grpo", "remix-ppo", "ppo")
+        results = run_jobs([job_name(c, s, lr, cli.steps, cli.reincarnate_step) for lr in STUDY_LRS for c in four
+                            for s in seeds], cli, toy)
+        best = best_lrs(by_method(results), cli.steps)
+        print(f"toy: best lr {best}", flush=True)
+        phase2 = [job_name(base, s, float(f"{f * best[name]:g}"), cli.steps, cli.reincarnate_step)
+                  for name, base in PAIRS.values() for f in (2, 4) for s in seeds]
+        phase2 += [job_name(name, s, best["remix-grpo"], cli.steps, cli.reincarnate_step) for name in P_SWEEP.values()
+                   if name != "remix-grpo" for s in seeds]
+        phase2 += [job_name(name, s, best[name], 60, 30) for name in four for s in seeds]
+        results += run_jobs(phase2, cli, toy)
+    else:
+        results = run_jobs([job_name(c, s, cli.lr, cli.steps, cli.reincarnate_step) for s in seeds for c in cli.configs],
+                           cli, toy)
+    summary = summarize(results, cli)
+    (out / "results.json").write_text(json.dumps({"settings": dataclasses.asdict(cli), "configs": CONFIGS,
+                                                  "summary": summary, "runs": results}, indent=1))
     table = markdown(summary)
-    (out / "results.json").write_text(json.dumps({"summary": summary, "runs": results, "steps": STEPS, "T": T,
-                                                  "shared": SHARED, "configs": CONFIGS}, indent=1))
     (out / "results.md").write_text(table)
     print(table)
-    if all(name in cli.configs for pair in (("remix-grpo", "grpo"), ("remix-ppo", "ppo")) for name in pair) and \
-            all(name in cli.configs for name in P_SWEEP.values()):
-        plot(results, out)
-    if cli.trl_rounds:
-        print("toy: step time against TRL:", trl_comparison(toy, out, cli.trl_rounds, 6), flush=True)
+    plot(results, summary, out, cli)
+    if cli.trl_rounds and not cli.study:
+        print("toy: step time against TRL:", trl_comparison(Path(toy), out, cli.trl_rounds, 6), flush=True)
     print(f"toy: done in {time.perf_counter() - start:.0f} s; results in {out}")
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(ToyArgs))

@@ -2,6 +2,7 @@
 built offline: no hub needed) with the transformers sampler (no vLLM needed).
 
     python benchmarks/gpu_check.py OUT_DIR [--quick: 128-token responses end to end] [--parts ppo,grpo,micro]
+    torchrun --nproc-per-node 1 benchmarks/gpu_check.py OUT_DIR     # the same through FSDP2, world size 1
 
 Without CUDA it runs the same code on the CPU with a tiny model and short lengths, as a dry run.
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import remix  # noqa: E402
+import remix_utils  # noqa: E402
 from tiny_model import build_tokenizer  # noqa: E402
 
 GIB = 2**30
@@ -72,7 +74,7 @@ def end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: i
         dict(prompts_per_step=5, group_size=4, mini_batch_prompts=3)
     args = remix.Args(algo=algo, model=str(model), dataset=str(data), out=str(out / algo), steps=3,
                       reincarnate_step=2, max_response_tokens=response_tokens, max_prompt_tokens=256, sampler="hf",
-                      micro_batch_size=4, save_every=0, grader_workers=2, **extra)
+                      save_every=0, grader_workers=2, overwrite=True, **extra)
     start = time.perf_counter()
     remix.train(args)
     rows = [json.loads(line) for line in open(out / algo / "metrics.jsonl")]
@@ -88,26 +90,20 @@ def end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: i
 
 def micro_batch(model_path: Path, lengths: list[int], checkpointing: bool) -> list[dict]:
     """Peak memory and time of one update micro-batch for the policy (Mix-PPG + KL + entropy) and the critic."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(DEVICE)
-    config = AutoConfig.from_pretrained(model_path, num_labels=1, classifier_dropout=0.0)
-    critic = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32).to(DEVICE)
-    reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(DEVICE).eval()
+    # the models exactly as training builds them: fp32 masters, bf16 reference, no dropout, the chunked
+    # log-prob head, FSDP2 under torchrun
+    args = remix.Args(model=str(model_path), algo="ppo", gradient_checkpointing=checkpointing)
+    _, policy, reference, critic = remix.load_models(args, DEVICE)
     models = (policy, critic)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-6, weight_decay=0.01) for m in models]
     for m in models:
         m.train()
-        if checkpointing:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            m.gradient_checkpointing_disable()
     results = []
     for length in lengths:
         prompt = 1024 if CUDA else 32
         ids = torch.randint(300, policy.config.vocab_size, (1, prompt + length))
         sample = {"prompt_ids": ids[0, :prompt].tolist(), "response_ids": ids[0, prompt:].tolist()}
-        batch = remix.collate([sample], 0, DEVICE)
+        batch = remix.collate([sample], DEVICE)
         mask = batch["response_mask"]
         for name, model, optim in (("policy", policy, optimizers[0]), ("critic", critic, optimizers[1])):
             seconds = []
@@ -117,7 +113,7 @@ def micro_batch(model_path: Path, lengths: list[int], checkpointing: bool) -> li
                 reset_peak()
                 start = time.perf_counter()
                 if name == "policy":
-                    logp, entropy = remix.policy_forward(model, batch, 1.0, with_entropy=True)
+                    logp, entropy = remix.policy_forward(model, batch, 1.0)
                     old = logp.detach() - 0.01
                     loss = remix.mix_ppg_loss(logp, old, old, torch.ones_like(logp), mask)[0] \
                         - 0.001 * remix.masked_mean(entropy, mask) \
@@ -150,7 +146,9 @@ def main():
     model, data = out / "r1-distill-1.5b-shaped", out / "problems.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
                             for a in range(10) for b in range(10)))
-    report = {"device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)", "torch": torch.__version__}
+    remix_utils.init_distributed()  # under torchrun (world size 1 too) the models are FSDP2-sharded
+    report = {"device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)", "torch": torch.__version__,
+              "world_size": remix_utils.world()}
     build_model(model)
     if "micro" in parts:
         report["micro_batch"] = micro_batch(model, [64] if not CUDA else [2048, 4096, 8192], True)

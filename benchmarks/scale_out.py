@@ -1,0 +1,103 @@
+"""Two processes (torchrun, FSDP2 over gloo) against one on this CPU, on the tiny model (README: Several GPUs).
+
+    python benchmarks/scale_out.py --data ../shared/data/train/deepscaler_partial.jsonl
+
+1. End to end: GRPO, 16 prompts x 4 responses of up to 64 tokens per step, 6 steps (p = 0.4 during the mix
+   stage, reincarnation after step 3), with the transformers and the vLLM sampler; `python remix.py` against
+   `torchrun --nproc-per-node 2 remix.py` with the same global batch. Rollouts per second over the steps after
+   the first (which warms up), from each run's own perf/step_s.
+2. One update: the batch update() received at step 2 of a real run, updated once in one process and once
+   split over two (test_remix.run_update, the same code the equivalence test checks).
+Each measurement runs in its own process, alternating over rounds; medians and ratios.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def end_to_end(model: str, data: str, out: Path, sampler: str, ranks: int) -> float:
+    argv = [str(ROOT / "remix.py"), "--model", model, "--dataset", data, "--out", str(out), "--algo", "grpo",
+            "--sampler", sampler, "--steps", "6", "--reincarnate-step", "3", "--prompts-per-step", "16",
+            "--group-size", "4", "--max-response-tokens", "64", "--mini-batch-prompts", "8", "--save-every", "0"]
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                                    str(ranks)]
+    subprocess.run(launcher + argv, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")][1:]
+    return sum(r["batch/fresh"] for r in rows) / sum(r["perf/step_s"] for r in rows)
+
+
+def update_seconds(case: Path, ranks: int) -> float:
+    """Seconds of update() alone (after a first, warm-up run), on the same batch split over the ranks."""
+    code = f"""import os, sys, time, torch
+sys.path.insert(0, {str(ROOT)!r})
+import remix, remix_utils, test_remix
+seconds, real = [], remix.update
+def timed(*a, **k):
+    start = time.perf_counter()
+    out = real(*a, **k)
+    remix_utils.barrier()
+    seconds.append(time.perf_counter() - start)
+    return out
+remix.update = timed
+case = torch.load({str(case)!r}, weights_only=False)
+test_remix.run_update(case)
+test_remix.run_update(case)
+print('SECONDS', seconds[-1], flush=True)
+os._exit(0)
+"""
+    script = case.parent / "update_timer.py"
+    script.write_text(code)
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                                    str(ranks)]
+    done = subprocess.run(launcher + [str(script)], check=True, capture_output=True, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return float([line for line in done.stdout.splitlines() if line.startswith("SECONDS")][0].split()[1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="a .jsonl with problem/answer")
+    parser.add_argument("--rounds", type=int, default=3)
+    cli = parser.parse_args()
+    import torch
+
+    import test_remix
+    from tiny_model import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="remix-scale-"))
+    model = build_tiny_model(str(work / "tiny"))
+    rows = [json.loads(line) for line in open(cli.data)]
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [r for r in rows if len(r["problem"]) < 200][:512]))
+    case = test_remix.prepared_update_case(model, str(data), work / "case-run", "ppo")
+    torch.save(case, work / "case.pt")
+    rates, updates = {}, {}
+    for round_ in range(cli.rounds):
+        for ranks in (1, 2):
+            for sampler in ("hf", "vllm"):
+                rate = end_to_end(model, str(data), work / f"{sampler}-{ranks}-{round_}", sampler, ranks)
+                rates.setdefault((sampler, ranks), []).append(rate)
+            updates.setdefault(ranks, []).append(update_seconds(work / "case.pt", ranks))
+        print(f"round {round_}: " + ", ".join(f"{k}: {v[-1]:.1f}" for k, v in rates.items()) +
+              f"; update {updates[1][-1]:.3f} s / {updates[2][-1]:.3f} s", flush=True)
+    print(f"\nGRPO, 16 prompts x 4 responses (global), up to 64 tokens, {cli.rounds} rounds\n")
+    print("| sampler | rollouts/s, 1 process | rollouts/s, 2 processes | 2 / 1 |\n|---|---|---|---|")
+    for sampler in ("hf", "vllm"):
+        one, two = statistics.median(rates[sampler, 1]), statistics.median(rates[sampler, 2])
+        print(f"| {sampler} | {one:.1f} | {two:.1f} | {two / one:.2f} |")
+    one, two = statistics.median(updates[1]), statistics.median(updates[2])
+    print(f"\none update of the same PPO batch ({len(case['batch'])} responses, {case['utd']} passes): 1 process "
+          f"{one:.3f} s, 2 processes {two:.3f} s, 2 / 1 = {two / one:.2f}")
+
+
+if __name__ == "__main__":
+    main()
