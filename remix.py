@@ -57,7 +57,8 @@ class Args:
     """the dataset column holding the gold answer"""
     steps: int = 350
     """number of training steps (rollout batches); with --resume, a larger value extends a run"""
-    prompts_per_step: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: 256 for PPO, 128 for GRPO)")] = None
+    prompts_per_step: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: 256 for PPO, 128 for GRPO)")] \
+        = None
     """B / group size, prompts per step over all processes (fresh ones plus historical ones)"""
     group_size: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: 1 for PPO, 8 for GRPO)")] = None
     """responses per prompt"""
@@ -417,8 +418,9 @@ def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
 def load_models(args: Args, device: torch.device, checkpoint: str | None = None):
     """Policy and critic keep fp32 master weights: at lr 1e-6 a bf16 weight would round most updates
     away (Decision 7). Forward passes run in bf16 on GPU. The reference is frozen, so bf16 there.
-    A resumed run loads all three from its checkpoint (the reference only once reincarnated).
-    Under torchrun each model is then sharded over the ranks (FSDP2)."""
+    A resumed run loads all three from its checkpoint (the reference only once reincarnated). They load
+    on the CPU, then move to the device; under torchrun sharding moves one layer's shard at a time, so no
+    GPU ever holds a whole fp32 model (FSDP2)."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
@@ -426,13 +428,13 @@ def load_models(args: Args, device: torch.device, checkpoint: str | None = None)
     source = checkpoint or args.model
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device)
+        policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     except OSError as error:
         fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{offline_hint()}")
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ref_source = os.path.join(checkpoint, "reference") if checkpoint and os.path.isdir(
         os.path.join(checkpoint, "reference")) else args.model
-    reference = AutoModelForCausalLM.from_pretrained(ref_source, dtype=frozen_dtype).to(device).eval()
+    reference = AutoModelForCausalLM.from_pretrained(ref_source, dtype=frozen_dtype).eval()
     reference.requires_grad_(False)
     critic = None
     if args.algo == "ppo":  # the paper's critic: the base model with a scalar head
@@ -442,7 +444,6 @@ def load_models(args: Args, device: torch.device, checkpoint: str | None = None)
         transformers.logging.set_verbosity_error()  # its load report lists the new head as MISSING
         critic = AutoModelForTokenClassification.from_pretrained(critic_source, config=config, dtype=torch.float32)
         transformers.logging.set_verbosity(verbosity)
-        critic = critic.to(device)
         if not checkpoint:
             say("critic: the base model with a new scalar value head (score.*), initialised at random")
     checkpointing = device.type == "cuda" if args.gradient_checkpointing is None else args.gradient_checkpointing
@@ -617,7 +618,8 @@ def score(fresh: list[dict], tokenizer, args: Args) -> collections.Counter:
     """2. Score: reward 1.0 if the final answer is right under math-verify, else 0.0. Returns the grader's
     status counts."""
     texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in fresh]
-    grades = grade_many([(text, [s["answer"]]) for text, s in zip(texts, fresh)], args.grader_workers, args.grade_timeout)
+    grades = grade_many([(text, [s["answer"]]) for text, s in zip(texts, fresh)], args.grader_workers,
+                        args.grade_timeout)
     for s, text, (reward, _) in zip(fresh, texts, grades):
         s["reward"], s["reflects"] = reward, any(word in text.lower() for word in SELF_REFLECTION_WORDS)
     return collections.Counter(status for _, status in grades)
@@ -774,7 +776,8 @@ def train(args: Args, on_step=None) -> dict:
     critic_optim = None if critic is None else torch.optim.AdamW(
         critic.parameters(), lr=args.critic_lr, weight_decay=args.weight_decay)
     if state is not None:
-        load_optimizers(checkpoint, {"policy": policy, "critic": critic}, {"policy": actor_optim, "critic": critic_optim})
+        load_optimizers(checkpoint, {"policy": policy, "critic": critic},
+                        {"policy": actor_optim, "critic": critic_optim})
     args.vllm_sleep = args.vllm_sleep and device.type == "cuda"  # the CPU engine has no sleep mode
     llm = make_vllm(args, device) if args.sampler == "vllm" else None
     for seed_fn in (random.seed, np.random.seed, torch.manual_seed):  # after vLLM's start, which reseeds

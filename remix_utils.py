@@ -464,10 +464,11 @@ def all_gather(obj) -> list:
 
 
 def shard(model, device):
-    """FSDP2: each decoder layer, then the whole model; parameters, gradients and optimizer state are split
-    over the ranks. On GPU the layers compute in bf16 and reduce gradients in fp32 (fp32 masters)."""
+    """The model on the device; under torchrun sharded with FSDP2: each decoder layer, then the whole model, so
+    parameters, gradients and optimizer state are split over the ranks. On GPU the layers compute in bf16 and
+    reduce gradients in fp32 (fp32 masters)."""
     if not dist.is_initialized():
-        return model
+        return model.to(device)
     import warnings
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -475,9 +476,9 @@ def shard(model, device):
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # none is changed in place
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" and next(model.parameters()).dtype == torch.float32 else MixedPrecisionPolicy()
-    for layer in model.base_model.layers:
+    for layer in model.base_model.layers:  # each call moves that layer's states to the device, then shards them
         fully_shard(layer, mp_policy=precision)
-    return fully_shard(model, mp_policy=precision)
+    return fully_shard(model, mp_policy=precision).to(device)  # .to: buffers that no call moved
 
 
 MAX_PADDING = 0.1  # a micro-batch is at most 10% wider than its shortest sample: padding costs its full share
