@@ -1,8 +1,9 @@
 """The paper's claim in miniature, on a CPU: when does ReMix save rollouts on a toy task, and why.
 
     pip install -r requirements-toy.txt && pip uninstall -y torchvision torchaudio torchcodec
-    python toy.py            # the short run: about 12 minutes on 2 cores
-    python toy.py --study    # the study behind README's toy section: about 2.5 hours on 2 cores
+    python toy.py            # the short run: about 9.5 minutes on 2 cores
+    python toy.py --study    # the study behind README's toy section: about 1.5 hours on 2 cores (135 runs)
+    python toy.py --out docs/toy --replot   # the tables and plots again from the committed results.json
 
 The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.math_reward. The base model is a tiny
 Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed instruction) trained by
@@ -17,7 +18,7 @@ KL to the base model only.
 
 The short run trains the four headline configurations and three ablations at one lr, then times TRL's
 GRPOTrainer against remix.py. The study:
-  1. lr sweep: ReMix-GRPO, GRPO, ReMix-PPO and PPO at actor lr 1e-5, 3e-5 and 1e-4, 5 seeds each;
+  1. lr sweep: ReMix-GRPO, GRPO, ReMix-PPO and PPO at actor lr 1e-5, 3e-5, 1e-4 and 3e-4, 5 seeds each;
   2. at each method's best lr (highest median final accuracy): on-policy at 2x and 4x ReMix's best lr (does a
      larger on-policy step buy the same saving?), ReMix-GRPO's p sweep (0, 0.2, 0.6; 0.4 is the default),
      and 60-step runs (T = 30) of the headline pairs.
@@ -27,7 +28,8 @@ never reaches a target counts as never. Per step, for historical samples, the me
 advantage by response-length bucket (the Whipping-Effect question).
 
 Writes to --out: results.json (one record per run: config, seed, lr, steps, T, curve of step / accuracy /
-rollouts / tokens / length / worked share, and per-step statistics), results.md, and the plots.
+rollouts / tokens / length / worked share, and per-step statistics; a target never reached is null), results.md,
+and the plots.
 """
 
 import concurrent.futures
@@ -70,7 +72,7 @@ CONFIGS = {  # name -> remix.Args overrides; ReMix is the paper's defaults p = 0
 PAIRS = {"GRPO": ("remix-grpo", "grpo"), "PPO": ("remix-ppo", "ppo")}  # algorithm -> (ReMix, on-policy)
 SHORT = ("remix-grpo", "grpo", "remix-ppo", "ppo", "remix-grpo/no-utd", "remix-grpo/no-kl-convex",
          "remix-grpo/no-reincarnation")
-STUDY_LRS = (1e-5, 3e-5, 1e-4)
+STUDY_LRS = (1e-5, 3e-5, 1e-4, 3e-4)  # 3e-4 because three of the four methods peaked at 1e-4
 P_SWEEP = {0.0: "remix-grpo/p=0.0", 0.2: "remix-grpo/p=0.2", 0.4: "remix-grpo", 0.6: "remix-grpo/p=0.6"}
 BUCKETS = ((0, 12), (13, 20), (21, 30), (31, MAX_TOKENS))  # response lengths (tokens) for the per-step statistics
 
@@ -97,6 +99,8 @@ class ToyArgs:
     """held-out evaluation every this many steps"""
     workers: int = 2
     """runs in parallel, one core each"""
+    replot: bool = False
+    """rebuild results.md and the plots from the results.json in --out, running nothing"""
     trl_rounds: int = 1
     """rounds of the TRL step-time comparison after the short run (0 skips it)"""
     jobs: tuple[str, ...] = ()
@@ -420,6 +424,10 @@ def summarize(results: list[dict], cli: ToyArgs) -> dict:
                     "lr": runs[0]["lr"], "final_accuracy": spread([r["curve"][-1]["accuracy"] for r in runs]),
                     "rollouts_to_final": spread([x["rollouts"] if x else math.inf for x in reached]),
                     "rollouts_to_half": spread([x["rollouts"] if x else math.inf for x in half])}
+    # ReMix and on-policy at one shared lr: how a comparison that tunes neither side reads
+    summary["same_lr"] = {f"{algo} lr {lr:g}": compare(groups[(remix_name, lr, cli.steps)], groups[(base, lr, cli.steps)])
+                          for algo, (remix_name, base) in PAIRS.items() for lr in STUDY_LRS if cli.study
+                          and (remix_name, lr, cli.steps) in groups and (base, lr, cli.steps) in groups}
     summary["whipping"] = {name: length_table(groups[(name, best[name], cli.steps)])
                            for name in ("remix-grpo", "remix-ppo") if (name, best.get(name), cli.steps) in groups}
     summary["p_sweep"] = {p: {"final_accuracy": spread([r["curve"][-1]["accuracy"] for r in groups[key]]),
@@ -461,6 +469,14 @@ def markdown(summary: dict) -> str:
         for name, factor, m in mechanism:
             lines.append(f"| {name} | {m['lr']:g} ({factor}x ReMix's) | {fmt(m['final_accuracy'])} | "
                          f"{fmt(m['rollouts_to_final'], 0)} | {fmt(m['rollouts_to_half'], 0)} |")
+    if summary["same_lr"]:
+        lines += ["", "## ReMix against on-policy at one shared lr (neither side tuned)", "",
+                  "| pair | final Pass@1, ReMix / on-policy | rollouts to on-policy's final, ReMix / on-policy | "
+                  "rollouts to its half-budget accuracy, ReMix / on-policy |", "|" + "---|" * 4]
+        for name, h in summary["same_lr"].items():
+            lines.append(f"| {name} | {fmt(h['remix_final_accuracy'])} / {fmt(h['on_policy_final_accuracy'])} | "
+                         f"{fmt(h['remix_rollouts_to_final'], 0)} / {fmt(h['on_policy_rollouts_to_final'], 0)} | "
+                         f"{fmt(h['remix_rollouts_to_half'], 0)} / {fmt(h['on_policy_rollouts_to_half'], 0)} |")
     if summary["p_sweep"]:
         lines += ["", "## ReMix-GRPO's off-policy share p", "",
                   "| p | final Pass@1 | sampled length, step 1 -> last | worked share, step 1 -> last | per-token sd of log(pi_k/mu) |",
@@ -529,30 +545,43 @@ def plot(results: list[dict], summary: dict, out: Path, cli: ToyArgs):
             ax.set_title(f"{algo}, {steps} steps: median over seeds, 90% bootstrap band")
         finish(fig, axes, ("held-out Pass@1 (1,000 problems, one sample at T = 1)", ""), "rollouts",
                out / f"accuracy_vs_rollouts_{steps}steps.png")
-    if summary["best_lr"]:  # the lr map
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    if summary["best_lr"]:  # the lr map: final accuracy, then rollouts to each of on-policy's two targets
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+        budget = max(r["curve"][-1]["rollouts"] for r in results if r["steps"] == cli.steps)
+        never = 1.15 * budget  # a median that never reaches is drawn on this line, marked x
         for name in ("remix-grpo", "grpo", "remix-ppo", "ppo"):
             algo = "GRPO" if "grpo" in name else "PPO"
-            target = summary["headline"].get(f"{algo} {cli.steps} steps", {}).get("target_final")
+            headline = summary["headline"].get(f"{algo} {cli.steps} steps", {})
             lrs = [lr for lr in STUDY_LRS if (name, lr, cli.steps) in groups]
             finals = [spread([r["curve"][-1]["accuracy"] for r in groups[(name, lr, cli.steps)]]) for lr in lrs]
-            axes[0].errorbar(lrs, [f["median"] for f in finals], yerr=[[f["median"] - f["lo"] for f in finals],
-                             [f["hi"] - f["median"] for f in finals]], marker="o", capsize=3, label=name)
-            if target is not None:
-                costs = [median([(cost_to_reach(r["curve"], target) or {"rollouts": math.inf})["rollouts"]
-                                 for r in groups[(name, lr, cli.steps)]]) for lr in lrs]
-                axes[1].plot(lrs, [c if c != math.inf else float("nan") for c in costs], marker="o", label=name)
-        finish(fig, axes, ("final Pass@1 (median, 90% interval)",
-                           "median rollouts to on-policy's best final Pass@1 (gap: never)"), "actor lr", out / "lr_map.png",
-               log_x=True)
+            line = axes[0].errorbar(lrs, [f["median"] for f in finals], yerr=[[f["median"] - f["lo"] for f in finals],
+                                    [f["hi"] - f["median"] for f in finals]], marker="o", capsize=3, label=name)
+            color = line.lines[0].get_color()
+            for ax, key in zip(axes[1:], ("target_half", "target_final")):
+                if key in headline:
+                    costs = [median([(cost_to_reach(r["curve"], headline[key]) or {"rollouts": math.inf})["rollouts"]
+                                     for r in groups[(name, lr, cli.steps)]]) for lr in lrs]
+                    ax.plot(lrs, [min(c, never) for c in costs], color=color, label=name)
+                    for lr, c in zip(lrs, costs):
+                        ax.plot(lr, min(c, never), "x" if c == math.inf else "o", color=color)
+        for ax, title in zip(axes[1:], ("accuracy at half its budget", "final accuracy")):
+            ax.axhline(never, color="grey", linestyle=":")
+            ax.text(STUDY_LRS[0], never, " never", va="bottom", fontsize=8)
+            ax.set_title(f"median rollouts to on-policy's {title}", fontsize=10)
+        axes[0].set_title(f"final Pass@1 after {cli.steps} steps", fontsize=10)
+        finish(fig, axes, ("median, 90% interval", "rollouts", "rollouts"), "actor lr", out / "lr_map.png", log_x=True)
     if summary["whipping"]:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4))
         for name, table in summary["whipping"].items():
-            buckets = list(table)
-            axes[0].plot(buckets, [table[b]["log_ratio"] for b in buckets], marker="o", label=name)
-            axes[1].plot(buckets, [table[b]["advantage"] for b in buckets], marker="o", label=name)
+            buckets = [b for b in table if table[b]["samples"] >= 20]  # a bucket of one or two samples is noise
+            for ax, key in zip(axes, ("log_ratio", "advantage")):
+                ax.plot(buckets, [table[b][key] for b in buckets], marker="o", label=name)
+                for b in buckets:
+                    ax.annotate(f"n={table[b]['samples']}", (b, table[b][key]), fontsize=7, xytext=(4, 4),
+                                textcoords="offset points")
         finish(fig, axes, ("mean log(pi_k / mu), historical samples", "mean advantage, historical samples"),
-               "response length (tokens)", out / "log_ratio_vs_length.png", zero_line=True)
+               "response length (tokens; buckets with 20 or more samples)", out / "log_ratio_vs_length.png",
+               zero_line=True)
     if summary["p_sweep"]:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4))
         for p, name in P_SWEEP.items():
@@ -564,6 +593,25 @@ def plot(results: list[dict], summary: dict, out: Path, cli: ToyArgs):
                             label=f"p = {p}")
         finish(fig, axes, ("mean sampled length (tokens)", "share of worked answers"), "step",
                out / "length_vs_step.png", vline=cli.reincarnate_step)
+
+
+def write_outputs(results: list[dict], cli: ToyArgs, out: Path) -> str:
+    """results.json (a target never reached is null), results.md and the plots; returns the tables."""
+    summary = summarize(results, cli)
+
+    def never_as_null(x):
+        if isinstance(x, dict):
+            return {k: never_as_null(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [never_as_null(v) for v in x]
+        return None if x == math.inf else x
+
+    record = {"settings": dataclasses.asdict(cli), "configs": CONFIGS, "summary": summary, "runs": results}
+    (out / "results.json").write_text(json.dumps(never_as_null(record), indent=1, allow_nan=False))
+    table = markdown(summary)
+    (out / "results.md").write_text(table)
+    plot(results, summary, out, cli)
+    return table
 
 
 # ----------------------------------------------------------------------------------------------
@@ -598,6 +646,13 @@ def main(cli: ToyArgs):
         raise SystemExit(2)
     os.environ["HF_HUB_OFFLINE"] = "1"
     out = Path(cli.out)
+    if cli.replot:  # the tables and plots from the committed records, with the settings they were run with
+        saved = json.loads((out / "results.json").read_text())
+        fields = {f.name for f in dataclasses.fields(ToyArgs)}
+        settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["settings"].items() if k in fields}
+        write_outputs(saved["runs"], dataclasses.replace(cli, **{**settings, "out": cli.out, "replot": True}), out)
+        print(f"toy: tables and plots rebuilt in {out}")
+        return
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     toy = str(build_toy(Path(cli.cache)))
@@ -618,13 +673,7 @@ def main(cli: ToyArgs):
     else:
         results = run_jobs([job_name(c, s, cli.lr, cli.steps, cli.reincarnate_step) for s in seeds for c in cli.configs],
                            cli, toy)
-    summary = summarize(results, cli)
-    (out / "results.json").write_text(json.dumps({"settings": dataclasses.asdict(cli), "configs": CONFIGS,
-                                                  "summary": summary, "runs": results}, indent=1))
-    table = markdown(summary)
-    (out / "results.md").write_text(table)
-    print(table)
-    plot(results, summary, out, cli)
+    print(write_outputs(results, cli, out))
     if cli.trl_rounds and not cli.study:
         print("toy: step time against TRL:", trl_comparison(Path(toy), out, cli.trl_rounds, 6), flush=True)
     print(f"toy: done in {time.perf_counter() - start:.0f} s; results in {out}")
