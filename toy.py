@@ -2,7 +2,7 @@
 
     pip install -r requirements-toy.txt && pip uninstall -y torchvision torchaudio torchcodec
     python toy.py            # the short run: about 9.5 minutes on 2 cores
-    python toy.py --study    # the study behind README's toy section: about 1.5 hours on 2 cores (135 runs)
+    python toy.py --study    # the study behind README's toy section: about 1.6 hours on 2 cores (145 runs)
     python toy.py --out docs/toy --replot   # the tables and plots again from the committed results.json
 
 The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.math_reward. The base model is a tiny
@@ -21,7 +21,7 @@ GRPOTrainer against remix.py. The study:
   1. lr sweep: ReMix-GRPO, GRPO, ReMix-PPO and PPO at actor lr 1e-5, 3e-5, 1e-4 and 3e-4, 5 seeds each;
   2. at each method's best lr (highest median final accuracy): on-policy at 2x and 4x ReMix's best lr (does a
      larger on-policy step buy the same saving?), ReMix-GRPO's p sweep (0, 0.2, 0.6; 0.4 is the default),
-     and 60-step runs (T = 30) of the headline pairs.
+     60-step runs (T = 30) of the headline pairs, and ReMix-PPO without replay (p = 0) over 24 and 60 steps.
 Targets: the rollouts (and generated tokens) each method needs to reach on-policy's final accuracy, and the
 accuracy on-policy reaches at half its budget; medians over seeds with bootstrap 90% intervals; a seed that
 never reaches a target counts as never. Per step, for historical samples, the mean log(pi_k/mu) and the mean
@@ -68,6 +68,7 @@ CONFIGS = {  # name -> remix.Args overrides; ReMix is the paper's defaults p = 0
     "remix-grpo/p=0.0": {**GRPO, "off_policy_p": 0.0},
     "remix-grpo/p=0.2": {**GRPO, "off_policy_p": 0.2},
     "remix-grpo/p=0.6": {**GRPO, "off_policy_p": 0.6},
+    "remix-ppo/p=0.0": {**PPO, "off_policy_p": 0.0},  # ReMix-PPO without replay: what the second pass alone gives
 }
 PAIRS = {"GRPO": ("remix-grpo", "grpo"), "PPO": ("remix-ppo", "ppo")}  # algorithm -> (ReMix, on-policy)
 SHORT = ("remix-grpo", "grpo", "remix-ppo", "ppo", "remix-grpo/no-utd", "remix-grpo/no-kl-convex",
@@ -413,17 +414,21 @@ def summarize(results: list[dict], cli: ToyArgs) -> dict:
             if mine and theirs:
                 summary["headline"][f"{algo} {steps} steps"] = {"remix_lr": best[remix_name], "on_policy_lr": best[base],
                                                                 **compare(mine, theirs)}
-        # the mechanism: on-policy at 2x and 4x ReMix's lr, on the same targets
-        headline = summary["headline"].get(f"{algo} {cli.steps} steps")
-        for factor in (2, 4):
-            runs = groups.get((base, float(f"{factor * best.get(remix_name, 0):g}"), cli.steps))
-            if headline and runs:
-                reached = [cost_to_reach(r["curve"], headline["target_final"]) for r in runs]
-                half = [cost_to_reach(r["curve"], headline["target_half"]) for r in runs]
-                summary["headline"][f"{algo} {cli.steps} steps"][f"on_policy_{factor}x_lr"] = {
-                    "lr": runs[0]["lr"], "final_accuracy": spread([r["curve"][-1]["accuracy"] for r in runs]),
-                    "rollouts_to_final": spread([x["rollouts"] if x else math.inf for x in reached]),
-                    "rollouts_to_half": spread([x["rollouts"] if x else math.inf for x in half])}
+        # the mechanism, on the same targets: on-policy at 2x and 4x ReMix's lr, and ReMix without replay (p = 0)
+        for steps in sorted({s for (_, _, s) in groups}):
+            headline = summary["headline"].get(f"{algo} {steps} steps")
+            others = [(f"on_policy_{f}x_lr", (base, float(f"{f * best.get(remix_name, 0):g}"), steps)) for f in (2, 4)
+                      if steps == cli.steps] + [("remix_no_replay", (f"{remix_name}/p=0.0", best.get(remix_name), steps))]
+            for key, group in others:
+                runs = groups.get(group)
+                if headline and runs:
+                    reached = [cost_to_reach(r["curve"], headline["target_final"]) for r in runs]
+                    half = [cost_to_reach(r["curve"], headline["target_half"]) for r in runs]
+                    headline[key] = {
+                        "lr": runs[0]["lr"], "final_accuracy": spread([r["curve"][-1]["accuracy"] for r in runs]),
+                        "rollouts": runs[0]["curve"][-1]["rollouts"],
+                        "rollouts_to_final": spread([x["rollouts"] if x else math.inf for x in reached]),
+                        "rollouts_to_half": spread([x["rollouts"] if x else math.inf for x in half])}
     # ReMix and on-policy at one shared lr: how a comparison that tunes neither side reads
     summary["same_lr"] = {f"{algo} lr {lr:g}": compare(groups[(remix_name, lr, cli.steps)], groups[(base, lr, cli.steps)])
                           for algo, (remix_name, base) in PAIRS.items() for lr in STUDY_LRS if cli.study
@@ -460,14 +465,15 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {name} (lr {h['remix_lr']:g} vs {h['on_policy_lr']:g}) | {label} | "
                          f"{fmt(h[f'remix_rollouts_to_{key}'], 0)} | {fmt(h[f'on_policy_rollouts_to_{key}'], 0)} | "
                          f"{fmt(h[f'remix_tokens_to_{key}'], 0)} | {fmt(h[f'on_policy_tokens_to_{key}'], 0)} |")
-    mechanism = [(n, f, h[f"on_policy_{f}x_lr"]) for n, h in summary["headline"].items() for f in (2, 4)
-                 if f"on_policy_{f}x_lr" in h]
+    labels = {"on_policy_2x_lr": "on-policy at 2x ReMix's lr", "on_policy_4x_lr": "on-policy at 4x ReMix's lr",
+              "remix_no_replay": "ReMix without replay (p = 0)"}
+    mechanism = [(n, labels[k], h[k]) for n, h in summary["headline"].items() for k in labels if k in h]
     if mechanism:
-        lines += ["", "## Mechanism: on-policy with a larger step, against ReMix at 1x", "",
-                  "| pair | on-policy lr | final Pass@1 | rollouts to on-policy's final | rollouts to its half-budget accuracy |",
-                  "|" + "---|" * 5]
-        for name, factor, m in mechanism:
-            lines.append(f"| {name} | {m['lr']:g} ({factor}x ReMix's) | {fmt(m['final_accuracy'])} | "
+        lines += ["", "## Mechanism: a larger on-policy step, and ReMix without replay, on the pair's targets", "",
+                  "| pair | run | lr | final Pass@1 | rollouts | rollouts to on-policy's final | "
+                  "rollouts to its half-budget accuracy |", "|" + "---|" * 7]
+        for name, label, m in mechanism:
+            lines.append(f"| {name} | {label} | {m['lr']:g} | {fmt(m['final_accuracy'])} | {m['rollouts']:,} | "
                          f"{fmt(m['rollouts_to_final'], 0)} | {fmt(m['rollouts_to_half'], 0)} |")
     if summary["same_lr"]:
         lines += ["", "## ReMix against on-policy at one shared lr (neither side tuned)", "",
@@ -536,6 +542,7 @@ def plot(results: list[dict], summary: dict, out: Path, cli: ToyArgs):
         for ax, (algo, (remix_name, base)) in zip(axes, PAIRS.items()):
             lines = [(remix_name, best.get(remix_name)), (base, best.get(base))]
             lines += [(base, float(f"{f * best.get(remix_name, 0):g}")) for f in (2, 4) if steps == cli.steps]
+            lines += [(f"{remix_name}/p=0.0", best.get(remix_name))]  # without replay
             for name, lr in lines:
                 runs = groups.get((name, lr, steps))
                 if runs:
@@ -669,6 +676,8 @@ def main(cli: ToyArgs):
         phase2 += [job_name(name, s, best["remix-grpo"], cli.steps, cli.reincarnate_step) for name in P_SWEEP.values()
                    if name != "remix-grpo" for s in seeds]
         phase2 += [job_name(name, s, best[name], 60, 30) for name in four for s in seeds]
+        phase2 += [job_name("remix-ppo/p=0.0", s, best["remix-ppo"], steps, T) for steps, T in
+                   ((cli.steps, cli.reincarnate_step), (60, 30)) for s in seeds]
         results += run_jobs(phase2, cli, toy)
     else:
         results = run_jobs([job_name(c, s, cli.lr, cli.steps, cli.reincarnate_step) for s in seeds for c in cli.configs],
