@@ -42,8 +42,8 @@ MUTANTS = {
         "remix.py", "policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta)",
         "policy_objective(pg_loss, -entropy, klc, args.ent_coef, args.kl_beta)"),
     "later UTD passes counted but not stepped": (
-        "remix.py", "                if optim is not None:\n                    optim.step()",
-        "                if optim is not None and epoch == 0:\n                    optim.step()"),
+        "remix.py", "            for optim in filter(None, optimizers):\n                optim.step()",
+        "            for optim in filter(None, optimizers) if epoch == 0 else ():\n                optim.step()"),
     "reference log-probs computed with the policy": (
         "remix.py", '(("behaviour_logp", policy), ("ref_logp", reference))', '(("behaviour_logp", policy), ("ref_logp", policy))'),
     "pi_k on history computed with the reference": (
