@@ -1564,3 +1564,18 @@ def test_cached_reference_logprobs_equal_a_fresh_computation(tiny_model, train_f
     finally:
         remix.load_models = real
     assert checked["historical"] > 0 and checked["fresh"] > 0
+
+
+def test_every_planted_bug_of_the_mutation_check_still_applies():
+    """benchmarks/mutation_check.py plants each bug by replacing one exact piece of code. A reshaped line
+    silently retires its mutant until someone runs the script, so check here that every piece still occurs
+    exactly once and that the mutant changes it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_check", HERE / "benchmarks" / "mutation_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert len(check.MUTANTS) >= 28
+    for name, (path, old, new) in check.MUTANTS.items():
+        assert (HERE / path).read_text().count(old) == 1, f"mutant {name!r}: its code is no longer in {path}"
+        assert old != new, name
