@@ -1579,3 +1579,21 @@ def test_every_planted_bug_of_the_mutation_check_still_applies():
     for name, (path, old, new) in check.MUTANTS.items():
         assert (HERE / path).read_text().count(old) == 1, f"mutant {name!r}: its code is no longer in {path}"
         assert old != new, name
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.py is what a session lent a GPU runs first, on a budget of minutes: its CPU dry run
+    (the same code on a tiny model) must keep working, or that budget goes on fixing the script. Mix stage,
+    switch and on-policy stage, with the PPO and GRPO step counts and rollouts of its three-step runs."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, str(HERE / "benchmarks" / "gpu_check.py"), str(tmp_path), "--quick"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["device"] == "cpu (dry run)" and result["world_size"] == 1
+    for algo in ("ppo", "grpo"):
+        run = result[f"end_to_end_{algo}"]
+        assert run["finite"] and [s["phase"] for s in run["steps"]] == ["mix", "mix", "on-policy"]
+        assert [s["rollouts/total"] for s in run["steps"]] == [12, 24, 44]
+    assert {m["model"] for m in result["micro_batch"]} == {"policy", "critic"}
