@@ -331,6 +331,15 @@ def cost_to_reach(curve: list[dict], target: float) -> dict | None:
     return None
 
 
+def costs_to_reach(runs: list[dict], target: float, unit: str = "rollouts") -> list[float]:
+    """Each run's rollouts (or tokens) to the target; infinity for a run that never reaches it."""
+    return [(cost_to_reach(r["curve"], target) or {unit: math.inf})[unit] for r in runs]
+
+
+def final_accuracies(runs: list[dict]) -> list[float]:
+    return [r["curve"][-1]["accuracy"] for r in runs]
+
+
 def accuracy_at(curve: list[dict], rollouts: float) -> float:
     """Accuracy at the last evaluation within a rollout budget."""
     return [p["accuracy"] for p in curve if p["rollouts"] <= rollouts][-1]
@@ -357,7 +366,7 @@ def best_lrs(groups: dict, steps: int) -> dict:
     """Each method's lr with the highest median final accuracy (the study's sweep)."""
     best = {}
     for name in ("remix-grpo", "grpo", "remix-ppo", "ppo"):
-        finals = {lr: median([r["curve"][-1]["accuracy"] for r in runs]) for (c, lr, s), runs in groups.items()
+        finals = {lr: median(final_accuracies(runs)) for (c, lr, s), runs in groups.items()
                   if c == name and s == steps and lr in STUDY_LRS}
         if finals:
             best[name] = max(finals, key=finals.get)
@@ -367,16 +376,15 @@ def best_lrs(groups: dict, steps: int) -> dict:
 def compare(remix_runs: list[dict], base_runs: list[dict]) -> dict:
     """ReMix against on-policy: rollouts and tokens to on-policy's median final accuracy, and to the accuracy
     on-policy reaches at half its rollout budget; never = infinity."""
-    target = median([r["curve"][-1]["accuracy"] for r in base_runs])
+    target = median(final_accuracies(base_runs))
     half_budget = base_runs[0]["curve"][-1]["rollouts"] / 2
     half = median([accuracy_at(r["curve"], half_budget) for r in base_runs])
     out = {"target_final": target, "target_half": half, "half_budget": half_budget}
     for side, runs in (("remix", remix_runs), ("on_policy", base_runs)):
         for name, goal in (("final", target), ("half", half)):
-            reached = [cost_to_reach(r["curve"], goal) for r in runs]
             for unit in ("rollouts", "tokens"):
-                out[f"{side}_{unit}_to_{name}"] = spread([x[unit] if x else math.inf for x in reached])
-        out[f"{side}_final_accuracy"] = spread([r["curve"][-1]["accuracy"] for r in runs])
+                out[f"{side}_{unit}_to_{name}"] = spread(costs_to_reach(runs, goal, unit))
+        out[f"{side}_final_accuracy"] = spread(final_accuracies(runs))
         out[f"{side}_rollouts"] = runs[0]["curve"][-1]["rollouts"]
     return out
 
@@ -401,7 +409,7 @@ def summarize(results: list[dict], cli: ToyArgs) -> dict:
     for (config, lr, steps), runs in sorted(groups.items(), key=lambda kv: (kv[0][2], list(CONFIGS).index(kv[0][0]), kv[0][1])):
         summary["methods"][f"{config} lr {lr:g} {steps} steps"] = {
             "config": config, "lr": lr, "steps": steps, "seeds": len(runs),
-            "final_accuracy": spread([r["curve"][-1]["accuracy"] for r in runs]),
+            "final_accuracy": spread(final_accuracies(runs)),
             "rollouts": runs[0]["curve"][-1]["rollouts"], "tokens": median([r["curve"][-1]["tokens"] for r in runs]),
             "final_length": median([r["curve"][-1]["length"] for r in runs]),
             "final_worked_share": median([r["curve"][-1]["worked_share"] for r in runs]),
@@ -411,31 +419,27 @@ def summarize(results: list[dict], cli: ToyArgs) -> dict:
     for algo, (remix_name, base) in PAIRS.items():
         for steps in sorted({s for (_, _, s) in groups}):
             mine, theirs = groups.get((remix_name, best.get(remix_name), steps)), groups.get((base, best.get(base), steps))
-            if mine and theirs:
-                summary["headline"][f"{algo} {steps} steps"] = {"remix_lr": best[remix_name], "on_policy_lr": best[base],
-                                                                **compare(mine, theirs)}
-        # the mechanism, on the same targets: on-policy at 2x and 4x ReMix's lr, and ReMix without replay (p = 0)
-        for steps in sorted({s for (_, _, s) in groups}):
-            headline = summary["headline"].get(f"{algo} {steps} steps")
-            others = [(f"on_policy_{f}x_lr", (base, float(f"{f * best.get(remix_name, 0):g}"), steps)) for f in (2, 4)
-                      if steps == cli.steps] + [("remix_no_replay", (f"{remix_name}/p=0.0", best.get(remix_name), steps))]
+            if not (mine and theirs):
+                continue
+            headline = summary["headline"][f"{algo} {steps} steps"] = {
+                "remix_lr": best[remix_name], "on_policy_lr": best[base], **compare(mine, theirs)}
+            # the mechanism, on the same targets: on-policy at 2x and 4x ReMix's lr, and ReMix without replay
+            others = [(f"on_policy_{f}x_lr", (base, float(f"{f * best[remix_name]:g}"), steps)) for f in (2, 4)
+                      if steps == cli.steps] + [("remix_no_replay", (f"{remix_name}/p=0.0", best[remix_name], steps))]
             for key, group in others:
                 runs = groups.get(group)
-                if headline and runs:
-                    reached = [cost_to_reach(r["curve"], headline["target_final"]) for r in runs]
-                    half = [cost_to_reach(r["curve"], headline["target_half"]) for r in runs]
-                    headline[key] = {
-                        "lr": runs[0]["lr"], "final_accuracy": spread([r["curve"][-1]["accuracy"] for r in runs]),
-                        "rollouts": runs[0]["curve"][-1]["rollouts"],
-                        "rollouts_to_final": spread([x["rollouts"] if x else math.inf for x in reached]),
-                        "rollouts_to_half": spread([x["rollouts"] if x else math.inf for x in half])}
+                if runs:
+                    headline[key] = {"lr": runs[0]["lr"], "final_accuracy": spread(final_accuracies(runs)),
+                                     "rollouts": runs[0]["curve"][-1]["rollouts"],
+                                     "rollouts_to_final": spread(costs_to_reach(runs, headline["target_final"])),
+                                     "rollouts_to_half": spread(costs_to_reach(runs, headline["target_half"]))}
     # ReMix and on-policy at one shared lr: how a comparison that tunes neither side reads
     summary["same_lr"] = {f"{algo} lr {lr:g}": compare(groups[(remix_name, lr, cli.steps)], groups[(base, lr, cli.steps)])
                           for algo, (remix_name, base) in PAIRS.items() for lr in STUDY_LRS if cli.study
                           and (remix_name, lr, cli.steps) in groups and (base, lr, cli.steps) in groups}
     summary["whipping"] = {name: length_table(groups[(name, best[name], cli.steps)])
                            for name in ("remix-grpo", "remix-ppo") if (name, best.get(name), cli.steps) in groups}
-    summary["p_sweep"] = {p: {"final_accuracy": spread([r["curve"][-1]["accuracy"] for r in groups[key]]),
+    summary["p_sweep"] = {p: {"final_accuracy": spread(final_accuracies(groups[key])),
                               "length_first_last": [median([r["per_step"][0]["length"] for r in groups[key]]),
                                                     median([r["per_step"][-1]["length"] for r in groups[key]])],
                               "worked_share_first_last": [median([r["per_step"][0]["worked_share"] for r in groups[key]]),
@@ -560,14 +564,13 @@ def plot(results: list[dict], summary: dict, out: Path, cli: ToyArgs):
             algo = "GRPO" if "grpo" in name else "PPO"
             headline = summary["headline"].get(f"{algo} {cli.steps} steps", {})
             lrs = [lr for lr in STUDY_LRS if (name, lr, cli.steps) in groups]
-            finals = [spread([r["curve"][-1]["accuracy"] for r in groups[(name, lr, cli.steps)]]) for lr in lrs]
+            finals = [spread(final_accuracies(groups[(name, lr, cli.steps)])) for lr in lrs]
             line = axes[0].errorbar(lrs, [f["median"] for f in finals], yerr=[[f["median"] - f["lo"] for f in finals],
                                     [f["hi"] - f["median"] for f in finals]], marker="o", capsize=3, label=name)
             color = line.lines[0].get_color()
             for ax, key in zip(axes[1:], ("target_half", "target_final")):
                 if key in headline:
-                    costs = [median([(cost_to_reach(r["curve"], headline[key]) or {"rollouts": math.inf})["rollouts"]
-                                     for r in groups[(name, lr, cli.steps)]]) for lr in lrs]
+                    costs = [median(costs_to_reach(groups[(name, lr, cli.steps)], headline[key])) for lr in lrs]
                     ax.plot(lrs, [min(c, never) for c in costs], color=color, label=name)
                     for lr, c in zip(lrs, costs):
                         ax.plot(lr, min(c, never), "x" if c == math.inf else "o", color=color)
