@@ -11,8 +11,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -305,6 +307,15 @@ def tiny_args(model, data, out, **overrides) -> remix.Args:
     return remix.Args(**base)
 
 
+def wait_into_step_3(proc, out, seconds: float):
+    """Wait (up to 300 s) until a running job has finished writing checkpoint-2, then seconds more, into step 3."""
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    time.sleep(seconds)
+
+
 def read_metrics(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
 
@@ -429,8 +440,6 @@ def comparable(row: dict) -> dict:
 
 @pytest.mark.slow
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model, train_file, tmp_path):
-    import signal
-    import time
 
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     subprocess.run(cli(tiny_model, train_file, tmp_path / "straight"), check=True, env=env, capture_output=True,
@@ -438,11 +447,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model, train_fil
     out = tmp_path / "killed"
     proc = subprocess.Popen(cli(tiny_model, train_file, out), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
-    time.sleep(0.4)  # into step 3
+    wait_into_step_3(proc, out, 0.4)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "checkpoint-6").exists(), "the run finished before it was killed"
@@ -520,7 +525,6 @@ def test_bad_dataset_gets_one_clear_line(tiny_model, tmp_path, capsys, case):
 def test_math_reward_never_hangs_or_raises(response):
     """A hang guard, not a speed claim: 4 s of grading, plus about 2 s to start a fresh worker (imports
     included) when the previous input's timeout killed the last one."""
-    import time
 
     start = time.perf_counter()
     assert remix.math_reward(response, "1") == 0.0
@@ -816,7 +820,6 @@ def one_error_line(done: subprocess.CompletedProcess, text: str):
 @pytest.mark.slow
 def test_a_mistyped_local_model_folder_fails_in_seconds(tmp_path, train_file):
     (tmp_path / "runs").mkdir()
-    import time
 
     start = time.perf_counter()
     done = run_remix("--model", "runs/tiny-qwen3", "--dataset", train_file, cwd=tmp_path, env={"HF_HUB_OFFLINE": None})
@@ -881,8 +884,6 @@ def child_pids(pid: int) -> set[int]:
 @pytest.mark.parametrize("delay", [0.0, 0.3, 0.9, 1.6])
 def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, delay):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, at several points after step 1."""
-    import signal
-    import time
 
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
@@ -1110,19 +1111,13 @@ def worker_pids(agent: int) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_job_and_resume_completes_it(tiny_model, train_file, tmp_path):
-    import signal
-    import time
 
     out = tmp_path / "run"
     argv = remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "hf", "--group-size", "2", "--steps", "6")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                              str(29500 + os.getpid() % 1000), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    deadline = time.time() + 300
-    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
-    time.sleep(0.3)  # into step 3
+    wait_into_step_3(proc, out, 0.3)
     os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
     killed = time.time()
     proc.communicate(timeout=120)
