@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import build_tiny_model, write_short_problems  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DATA = Path(os.environ.get("REMIX_DATA", HERE.parent / "shared" / "data"))
@@ -293,11 +293,7 @@ def tiny_model(tmp_path_factory):
 def train_file(tmp_path_factory):
     """Short problems from the shared DeepScaleR part keep the byte-level prompts small."""
     assert TRAIN.exists(), f"training data not found at {TRAIN}; set REMIX_DATA to shared/data"
-    rows = [json.loads(line) for line in TRAIN.open()]
-    short = [r for r in rows if len(r["problem"]) < 120][:64]
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in short))
-    return str(path)
+    return write_short_problems(TRAIN, tmp_path_factory.mktemp("data") / "train.jsonl", max_chars=120, limit=64)
 
 
 def tiny_args(model, data, out, **overrides) -> remix.Args:

@@ -8,6 +8,7 @@ needs no download and can spell any string. Head size 32, because vLLM's CPU att
 support 16.
 """
 
+import json
 import sys
 
 import torch
@@ -20,6 +21,16 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+def write_short_problems(source, dest, max_chars: int, limit: int) -> str:
+    """The first `limit` problems of a .jsonl shorter than max_chars characters, written to dest: the byte-level
+    tokenizer spends a token per character, so short problems keep the tiny model's prompts small."""
+    rows = [json.loads(line) for line in open(source)]
+    short = [r for r in rows if len(r["problem"]) < max_chars][:limit]
+    with open(dest, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in short)
+    return str(dest)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

@@ -71,14 +71,12 @@ def main():
     import torch
 
     import test_remix
-    from tiny_model import build_tiny_model
+    from tiny_model import build_tiny_model, write_short_problems
 
     work = Path(tempfile.mkdtemp(prefix="remix-scale-"))
     model = build_tiny_model(str(work / "tiny"))
-    rows = [json.loads(line) for line in open(cli.data)]
-    data = work / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in [r for r in rows if len(r["problem"]) < 200][:512]))
-    case = test_remix.prepared_update_case(model, str(data), work / "case-run", "ppo")
+    data = write_short_problems(cli.data, work / "train.jsonl", max_chars=200, limit=512)
+    case = test_remix.prepared_update_case(model, data, work / "case-run", "ppo")
     torch.save(case, work / "case.pt")
     rates, updates = {}, {}
     for round_ in range(cli.rounds):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import build_tiny_model, write_short_problems  # noqa: E402
 
 
 def main():
@@ -33,17 +33,14 @@ def main():
     cli = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="remix-bench-"))
     model = build_tiny_model(str(work / "tiny"))
-    rows = [json.loads(line) for line in open(cli.data)]
-    short = [r for r in rows if len(r["problem"]) < 200][:512]
-    data = work / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in short))
+    data = write_short_problems(cli.data, work / "train.jsonl", max_chars=200, limit=512)
     times = {"vllm": [], "hf": []}
     gen = {"vllm": [], "hf": []}
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     for round_ in range(cli.rounds):
         for sampler in ("hf", "vllm"):
             out = work / f"{sampler}-{round_}"
-            cmd = [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", str(data), "--out", str(out),
+            cmd = [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out),
                    "--algo", cli.algo, "--steps", str(cli.steps), "--prompts-per-step", str(cli.prompts),
                    "--group-size", str(cli.group_size), "--max-response-tokens", str(cli.max_response_tokens),
                    "--sampler", sampler, "--save-every", "0", "--seed", str(round_)]
