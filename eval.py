@@ -141,14 +141,16 @@ def generate(args: EvalArgs, problems: list[dict]):
                           mini_batch_prompts=args.batch_size, vllm_sleep=False, vllm_gpu_memory_utilization=0.9)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.sampler == "vllm":
-        raw = remix.vllm_generate(remix.make_vllm(settings, device), prompts, args.n, settings, use_tqdm=True)
+        llm = remix.make_vllm(settings, device, "bfloat16" if device.type == "cuda" else "float32")
+        seeds = [remix_utils.request_seed(args.seed, 0, i, args.n) for i in range(len(prompts))]
+        raw = remix.vllm_generate(llm, prompts, args.n, settings, seeds, use_tqdm=True)
     else:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         raw = remix.hf_generate(model.to(device), tokenizer, prompts, args.n, settings, device)
-    return [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish in group]
+    return [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish, _ in group]
             for group in raw]
 
 

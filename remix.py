@@ -35,12 +35,12 @@ import tyro
 from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
-from remix_utils import (all_gather, all_reduce, catch_interrupts, check_hub, check_interrupted, check_model_path,
-                         close_pool, fail, finish_distributed, full_tensors, init_distributed, Interrupted,
-                         interrupted, is_hub_id, load_optimizers, load_problems, load_trainer_state, make_vllm,
-                         map_with_deadline, micro_batches, offline_hint, prepare_out, prompt_stream, rank,
-                         resume_args, RunLog, save_checkpoint, say, set_rng_state, shard, step_metrics, unsharded,
-                         use_logprob_head, without_dropout, world)
+from remix_utils import (all_gather, all_reduce, catch_interrupts, check_args, check_hub, check_interrupted,
+                         check_model_path, close_pool, fail, finish_distributed, full_tensors, init_distributed,
+                         Interrupted, interrupted, is_hub_id, load_optimizers, load_problems, load_trainer_state,
+                         make_vllm, map_with_deadline, micro_batches, offline_hint, prepare_out, prompt_stream, rank,
+                         request_seed, resume_args, RunLog, save_checkpoint, say, set_rng_state, shard, step_metrics,
+                         unsharded, use_logprob_head, wake, without_dropout, world)
 
 
 @dataclass
@@ -121,9 +121,14 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.25
     """GPU memory share vLLM may take, colocated with training in this process (README: GPU memory)"""
     vllm_sleep: bool = True
-    """GPU only: free vLLM's weights and KV cache (sleep level 1) while training"""
+    """GPU only: free vLLM's weights and KV cache while training (sleep level 2: no host copy; the push refills it)"""
     vllm_tp: int = 1
     """ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
+    precision: Annotated[Literal["bf16", "fp32"] | None, tyro.conf.arg(help_behavior_hint="(default: bf16 on GPU, "
+                                                                                          "fp32 on CPU)")] = None
+    """dtype of every forward pass (policy, critic, frozen reference, vLLM); weights and optimizer state stay fp32"""
+    sampler_is_cap: float | None = None
+    """C: weight each fresh token's Mix-PPG term by min(pi_trainer / pi_vllm, C); off by default (README Decision 18)"""
     gradient_checkpointing: Annotated[bool | None, tyro.conf.arg(help_behavior_hint="(default: on GPU)")] = None
     """recompute activations in the backward pass of both models (saves memory on long responses)"""
     grader_workers: int = 2
@@ -131,7 +136,9 @@ class Args:
     grade_timeout: float = 20.0
     """seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
     seed: int = 1
-    """seed of python, numpy, torch and vLLM"""
+    """seed of python, numpy, torch and of every vLLM request"""
+    dist_timeout: float = 60.0
+    """minutes a collective may wait for the other ranks (they wait while rank 0 writes a checkpoint's models)"""
     out: str = "runs/remix"
     """output folder: metrics.jsonl, TensorBoard events, checkpoints"""
     overwrite: bool = False
@@ -147,36 +154,16 @@ class Args:
 
 
 def finalize_args(args: Args) -> Args:
-    """Fill the algorithm-dependent defaults and reject impossible combinations."""
+    """Fill the algorithm- and device-dependent defaults; check_args rejects impossible combinations."""
     if args.on_policy:  # nothing of ReMix is left: no replay, no extra passes, no switch, KL to the base only
         args.off_policy_p, args.utd, args.reincarnation, args.kl_convex = 0.0, 1, False, False
     if args.prompts_per_step is None:
         args.prompts_per_step = 256 if args.algo == "ppo" else 128
     if args.group_size is None:
         args.group_size = 1 if args.algo == "ppo" else 8
-    n_fresh = round((1.0 - args.off_policy_p) * args.prompts_per_step)
-    n_history, ranks = args.prompts_per_step - n_fresh, world()
-    checks = [(0.0 <= args.off_policy_p < 1.0, f"--off-policy-p must be in [0, 1), got {args.off_policy_p}"),
-              (args.off_policy_p == 0 or 1 <= n_history < args.prompts_per_step,
-               f"--prompts-per-step {args.prompts_per_step} cannot split into whole fresh and historical groups at "
-               f"--off-policy-p {args.off_policy_p}: raise --prompts-per-step"),
-              (args.reincarnate_step >= 0, f"--reincarnate-step must be >= 0, got {args.reincarnate_step}"),
-              (args.algo == "ppo" or args.group_size >= 2, "--algo grpo needs --group-size >= 2 (a group of one "
-                                                           "always has advantage 0)"),
-              (args.temperature > 0, f"--temperature must be > 0 in training (log-probs divide by it), got "
-                                     f"{args.temperature}; eval.py takes 0 for greedy"),
-              (n_fresh % ranks == 0 and n_history % ranks == 0 and args.prompts_per_step % ranks == 0,
-               f"--prompts-per-step {args.prompts_per_step} ({n_fresh} fresh + {n_history} historical at p = "
-               f"{args.off_policy_p}) cannot split into whole groups over {ranks} processes: make each a multiple "
-               f"of {ranks}"),
-              (ranks % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {ranks} processes")]
-    checks += [(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-               for name in ("window", "utd", "steps", "prompts_per_step", "group_size", "mini_batch_prompts",
-                            "max_tokens_per_micro_batch", "max_response_tokens", "grader_workers", "vllm_tp")]
-    checks.append((args.save_every >= 0 and args.keep_last >= 0, "--save-every and --keep-last must be >= 0"))
-    for ok, message in checks:
-        if not ok:
-            fail(message)
+    if args.precision is None:
+        args.precision = "bf16" if torch.cuda.is_available() else "fp32"
+    check_args(args)
     return args
 
 
@@ -364,7 +351,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda t: t) -> t
     return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
 
 
-def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2):
+def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2, weights=None):
     """Eq. 4, Mix-PPG (GePPO's clipped objective), token mean:
 
         L = - mean[ min( r * A,  clip(r, c - eps, c + eps) * A ) ],  r = pi_theta / mu,  c = pi_k / mu
@@ -372,16 +359,25 @@ def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float =
     The ratio is taken against each sample's behaviour policy mu and the clip interval is centred at
     c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip. clipfrac counts the tokens where
     the clip changes the objective (A > 0 above c + eps, A < 0 below c - eps), as verl and TRL do.
+    weights [B, T] (not in the paper; --sampler-is-cap) scale each token's term: sampler_is_weight.
     """
     ratio = torch.exp(logp - behaviour_logp)  # [B, T]  r
     centre = torch.exp(prox_logp - behaviour_logp).detach()  # [B, T]  c, a constant of the step
     unclipped = ratio * advantages  # [B, T]
     clipped = torch.clamp(ratio, centre - eps, centre + eps) * advantages  # [B, T]
-    loss = -masked_mean(torch.minimum(unclipped, clipped), mask)
+    per_token = torch.minimum(unclipped, clipped)  # [B, T]
+    loss = -masked_mean(per_token if weights is None else per_token * weights, mask)
     with torch.no_grad():
         cut = ((advantages > 0) & (ratio > centre + eps)) | ((advantages < 0) & (ratio < centre - eps))  # [B, T]
         stats = {"clipfrac": masked_mean(cut.float(), mask), "ratio_mean": masked_mean(ratio, mask)}
     return loss, stats
+
+
+def sampler_is_weight(trainer_logp, sampler_logp, cap: float) -> torch.Tensor:
+    """Not in the paper (README Decision 18): truncated importance weight min(pi_trainer / pi_sampler, cap) per
+    token, for the gap between the tokens' sampler (vLLM's kernels) and the trainer that recomputes mu (TRL's
+    vLLM correction). trainer -1.0, sampler -1.5: e^0.5 = 1.65; trainer -0.2, sampler -1.5, cap 2: 2."""
+    return torch.exp(trainer_logp - sampler_logp).clamp(max=cap)  # [T]
 
 
 def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.5) -> torch.Tensor:
@@ -416,46 +412,48 @@ def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
 # Models: the policy, the frozen reference, the critic; per-token log-probs and values
 # ----------------------------------------------------------------------------------------------
 def load_models(args: Args, device: torch.device, checkpoint: str | None = None):
-    """Policy and critic keep fp32 master weights: at lr 1e-6 a bf16 weight would round most updates
-    away (Decision 7). Forward passes run in bf16 on GPU. The reference is frozen, so bf16 there.
-    A resumed run loads all three from its checkpoint (the reference only once reincarnated). They load
-    on the CPU, then move to the device; under torchrun sharding moves one layer's shard at a time, so no
-    GPU ever holds a whole fp32 model (FSDP2)."""
+    """Policy and critic keep fp32 master weights: at lr 1e-6 a bf16 weight would round most updates away
+    (Decision 7); with --precision bf16 they compute with bf16 copies (FSDP2's mixed precision, one process
+    too), and the frozen reference is stored in bf16, so before the first update it computes exactly as the
+    policy does. A resumed run loads all three from its checkpoint (the reference only once reincarnated).
+    Each loads on the CPU and is sharded before the next loads: no host ever holds two whole models."""
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    checkpointing = device.type == "cuda" if args.gradient_checkpointing is None else args.gradient_checkpointing
+
+    def trainable(model):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        without_dropout(model)  # updates run in training mode (Decision 12)
+        return shard(model, device, dtype)
+
     source = checkpoint or args.model
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        policy = trainable(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32))
     except OSError as error:
         fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{offline_hint()}")
-    frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ref_source = os.path.join(checkpoint, "reference") if checkpoint and os.path.isdir(
         os.path.join(checkpoint, "reference")) else args.model
-    reference = AutoModelForCausalLM.from_pretrained(ref_source, dtype=frozen_dtype).eval()
-    reference.requires_grad_(False)
+    reference = shard(AutoModelForCausalLM.from_pretrained(ref_source, dtype=dtype).eval().requires_grad_(False),
+                      device, dtype)
     critic = None
     if args.algo == "ppo":  # the paper's critic: the base model with a scalar head
         critic_source = os.path.join(checkpoint, "critic") if checkpoint else args.model
         config = AutoConfig.from_pretrained(critic_source, num_labels=1)
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # its load report lists the new head as MISSING
-        critic = AutoModelForTokenClassification.from_pretrained(critic_source, config=config, dtype=torch.float32)
+        critic = trainable(AutoModelForTokenClassification.from_pretrained(critic_source, config=config,
+                                                                           dtype=torch.float32))
         transformers.logging.set_verbosity(verbosity)
         if not checkpoint:
             say("critic: the base model with a new scalar value head (score.*), initialised at random")
-    checkpointing = device.type == "cuda" if args.gradient_checkpointing is None else args.gradient_checkpointing
-    for model in (policy, critic):
-        if model is None:
-            continue
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        without_dropout(model)  # updates run in training mode (Decision 12)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer, shard(policy, device), shard(reference, device), critic and shard(critic, device)
+    return tokenizer, policy, reference, critic
 
 
 def collate(samples: list[dict], device) -> dict:
@@ -479,22 +477,17 @@ def collate(samples: list[dict], device) -> dict:
             "response_mask": attention_mask[:, prompt_len:].bool(), "prompt_len": prompt_len}
 
 
-def autocast(device):
-    device = torch.device(device)
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
 def policy_forward(model, batch: dict, temperature: float):
     """Log-prob of each response token under model and the entropy of its next-token distribution, [B, R]
-    each; the output layer computes them chunk by chunk (use_logprob_head)."""
+    each; the output layer computes them chunk by chunk (use_logprob_head). The model's own dtype (FSDP2's
+    mixed precision, --precision) sets the precision: no autocast, so policy and reference compute alike."""
     head, resp_len = model.get_output_embeddings(), batch["response_mask"].shape[1]
     if not hasattr(head, "targets"):
         use_logprob_head(model)
     head.targets = (batch["input_ids"][:, batch["prompt_len"]:], temperature)
-    try:
-        with autocast(batch["input_ids"].device):  # the prompt positions never reach the output layer
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                        position_ids=batch["position_ids"], logits_to_keep=resp_len + 1).logits  # [B, R, 2]
+    try:  # the prompt positions never reach the output layer
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                    position_ids=batch["position_ids"], logits_to_keep=resp_len + 1).logits  # [B, R, 2]
     finally:
         head.targets = None
     return out[..., 0], out[..., 1]
@@ -502,10 +495,9 @@ def policy_forward(model, batch: dict, temperature: float):
 
 def critic_forward(critic, batch: dict) -> torch.Tensor:
     """V(s_t) for each response token t, read at the position that predicts token t: [B, R]. V(s_0) is the
-    value at the last prompt token."""
-    with autocast(batch["input_ids"].device):
-        out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                     position_ids=batch["position_ids"]).logits  # [B, P + R, 1]
+    value at the last prompt token. No KV cache: nothing is generated from it."""
+    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                 position_ids=batch["position_ids"]).logits  # [B, P + R, 1]
     return out[:, batch["prompt_len"] - 1 : -1, 0].float()  # [B, R]
 
 
@@ -527,15 +519,17 @@ def logprobs(args: Args):
 # ----------------------------------------------------------------------------------------------
 # Samplers: vLLM with a weight push after every update, or transformers' generate
 # ----------------------------------------------------------------------------------------------
-def vllm_generate(llm, prompts: list[list[int]], n: int, args: Args, use_tqdm: bool = False):
-    """n responses per prompt: [[(token_ids, finish_reason), ...] per prompt]; EOS stays in token_ids."""
+def vllm_generate(llm, prompts: list[list[int]], n: int, args: Args, seeds: list[int], use_tqdm: bool = False):
+    """n responses per prompt, each request with its own seed (request_seed): [[(token_ids, finish_reason,
+    sampler log-probs [R]), ...] per prompt]; EOS stays in token_ids."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p, top_k=0,
-                            max_tokens=args.max_response_tokens)
+    params = [SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p, top_k=0, seed=seed, logprobs=0,
+                             max_tokens=args.max_response_tokens) for seed in seeds]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=use_tqdm)
-    return [[(list(c.token_ids), c.finish_reason) for c in o.outputs] for o in outputs]
+    return [[(list(c.token_ids), c.finish_reason, torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]))
+             for c in o.outputs] for o in outputs]
 
 
 def push_weights(llm, policy, vllm_sleep: bool) -> float:
@@ -544,7 +538,7 @@ def push_weights(llm, policy, vllm_sleep: bool) -> float:
     is not in a state dict and keeps its value, which is right (README)."""
     start = time.perf_counter()
     if vllm_sleep:
-        llm.wake_up()
+        wake(llm, "weights")  # the KV cache stays asleep until sampling starts
     dtype = llm.llm_engine.model_config.dtype
     weights = ((name, tensor.to(dtype)) for name, tensor in full_tensors(policy))  # gathered from the shards
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -554,8 +548,9 @@ def push_weights(llm, policy, vllm_sleep: bool) -> float:
 
 @torch.no_grad()
 def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args: Args, device):
-    """The same contract as vllm_generate with transformers' generate (no top-k; temperature 0 is greedy).
-    It stops at any end-of-sequence id of the model's generation config, as vLLM does."""
+    """The same contract as vllm_generate with transformers' generate (no top-k; temperature 0 is greedy; no
+    sampler log-probs: the sampler is the trainer). It stops at any end-of-sequence id of the model's
+    generation config, as vLLM does."""
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
         if args.temperature > 0 else dict(do_sample=False)
     eos = policy.generation_config.eos_token_id
@@ -567,14 +562,13 @@ def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args: Args,
             batch = collate([{"prompt_ids": p, "response_ids": []} for p in prompts[i : i + args.mini_batch_prompts]],
                             device)
             batch["input_ids"][batch["attention_mask"] == 0] = tokenizer.pad_token_id
-            with autocast(device):
-                sequences = policy.generate(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_return_sequences=n,
-                    max_new_tokens=args.max_response_tokens, pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=sorted(stops), **sampling)  # [b * n, P + new]
+            sequences = policy.generate(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_return_sequences=n,
+                max_new_tokens=args.max_response_tokens, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=sorted(stops), **sampling)  # [b * n, P + new]
             for row in sequences[:, batch["prompt_len"]:].tolist():
                 end = next((j for j, token in enumerate(row) if token in stops), None)
-                results.append((row, "length") if end is None else (row[: end + 1], "stop"))
+                results.append((row, "length", None) if end is None else (row[: end + 1], "stop", None))
     return [results[k * n : (k + 1) * n] for k in range(len(prompts))]
 
 
@@ -596,22 +590,28 @@ def stage(step: int, args: Args) -> tuple[bool, float, int]:
 
 def sample(llm, policy, tokenizer, prompts: list[tuple], step: int, args: Args, device) -> list[list[dict]]:
     """1. Sample group_size responses from pi_k for this rank's share of the step's fresh prompts: one
-    group of samples per prompt. The ranks of one vLLM engine (--vllm-tp) generate its prompts together
-    and each keeps its own share."""
+    group of samples per prompt. Each vLLM request carries its own seed, made from the prompt's index in
+    the step, so the ranks of one engine (--vllm-tp), which generate its prompts together and each keep
+    their share, draw the same tokens, and a resumed run draws what an uninterrupted one would."""
     share = len(prompts) // world()
+    mine = prompts[rank() * share :][:share]
     if llm is not None:
-        first = rank() // args.vllm_tp * args.vllm_tp * share  # this engine's prompts
-        generations = vllm_generate(llm, [ids for ids, _, _ in prompts[first : first + args.vllm_tp * share]],
-                                    args.group_size, args)[rank() % args.vllm_tp * share :][:share]
+        first = rank() // args.vllm_tp * args.vllm_tp * share  # the index of this engine's first prompt
+        engine_prompts = [ids for ids, _, _ in prompts[first : first + args.vllm_tp * share]]
         if args.vllm_sleep:
-            llm.sleep(level=1)
+            wake(llm, "kv_cache")
+        seeds = [request_seed(args.seed, step, first + i, args.group_size) for i in range(len(engine_prompts))]
+        generations = vllm_generate(llm, engine_prompts, args.group_size, args, seeds)[rank() % args.vllm_tp * share:]
+        if args.vllm_sleep:  # level 2 keeps no copy of the weights: the next push replaces them
+            llm.sleep(level=2)
     else:
-        generations = hf_generate(policy, tokenizer, [ids for ids, _, _ in prompts[rank() * share :][:share]],
-                                  args.group_size, args, device)
+        generations = hf_generate(policy, tokenizer, [ids for ids, _, _ in mine], args.group_size, args, device)
+    # a group id unique over the run: a step's groups never exceed a million
     return [[{"prompt_ids": ids, "response_ids": response or [tokenizer.pad_token_id], "answer": answer,
-              "version": step, "group": step * 1_000_000 + i, "truncated": finish == "length"}
-             for response, finish in group]
-            for i, ((ids, answer, _), group) in enumerate(zip(prompts[rank() * share :][:share], generations))]
+              "version": step, "group": step * 1_000_000 + i, "truncated": finish == "length",
+              "sampler_logp": None if logps is None or not response else logps}
+             for response, finish, logps in group]
+            for i, ((ids, answer, _), group) in enumerate(zip(mine, generations))]
 
 
 def score(fresh: list[dict], tokenizer, args: Args) -> collections.Counter:
@@ -632,6 +632,9 @@ def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args, de
     for key, model in (("behaviour_logp", policy), ("ref_logp", reference)):
         for s, logp in zip(fresh, per_token(logprobs(args), model, fresh, args, device, work)):
             s[key] = logp  # [R_i]
+    if args.sampler_is_cap is not None:  # stored with the sample: a replayed sample keeps its weight
+        for s in fresh:
+            s["sampler_weight"] = sampler_is_weight(s["behaviour_logp"], s["sampler_logp"], args.sampler_is_cap)
 
 
 def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args: Args, device, work):
@@ -704,7 +707,8 @@ def update(batch: list[dict], policy, critic, optimizers, lam: float, utd: int, 
                     continue
                 behaviour, prox, ref, adv = (padded(micro, key).to(device) for key in
                                              ("behaviour_logp", "prox_logp", "ref_logp", "advantages"))  # [b, r]
-                pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps)
+                weights = padded(micro, "sampler_weight").to(device) if args.sampler_is_cap is not None else None
+                pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights)
                 entropy = masked_mean(entropy, mask)
                 klc = kl_convex_loss(logp, ref, prox, lam, mask)
                 (policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta) * weight).backward()
@@ -736,7 +740,8 @@ def update(batch: list[dict], policy, critic, optimizers, lam: float, utd: int, 
             for optim in filter(None, optimizers):
                 optim.step()
             stats["train/optimizer_steps"].append(1)
-    for model in models:
+    for model, optim in zip(models, filter(None, optimizers)):
+        optim.zero_grad(set_to_none=True)  # no gradients held through the push, generation and no-grad passes
         model.eval()
     return stats
 
@@ -754,7 +759,7 @@ def reincarnate(policy, reference, replay: collections.deque):
 def train(args: Args, on_step=None) -> dict:
     """The whole run. on_step(step, record, policy, tokenizer, batch), if given, runs after each step and may
     add entries to the step's metrics record (the toy experiment logs held-out accuracy this way)."""
-    device = init_distributed()
+    device = init_distributed(args.dist_timeout)
     checkpoint = state = None
     if args.resume:  # the run's saved arguments and newest checkpoint; --steps may extend it
         checkpoint, state = load_trainer_state(args.resume)
@@ -779,7 +784,8 @@ def train(args: Args, on_step=None) -> dict:
         load_optimizers(checkpoint, {"policy": policy, "critic": critic},
                         {"policy": actor_optim, "critic": critic_optim})
     args.vllm_sleep = args.vllm_sleep and device.type == "cuda"  # the CPU engine has no sleep mode
-    llm = make_vllm(args, device) if args.sampler == "vllm" else None
+    vllm_dtype = "bfloat16" if args.precision == "bf16" else "float32"
+    llm = make_vllm(args, device, vllm_dtype) if args.sampler == "vllm" else None
     for seed_fn in (random.seed, np.random.seed, torch.manual_seed):  # after vLLM's start, which reseeds
         seed_fn(args.seed + rank())
     replay: collections.deque = collections.deque(maxlen=args.window)

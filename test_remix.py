@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
+import remix_utils  # noqa: E402
 from tiny_model import build_tiny_model, write_short_problems  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -312,6 +313,24 @@ def wait_into_step_3(proc, out, seconds: float):
     time.sleep(seconds)
 
 
+def full_state(model) -> dict:
+    """A model's state dict with whole tensors (every run's models are FSDP2-sharded, one process too)."""
+    return dict(remix_utils.full_tensors(model))
+
+
+def plain_copy(model):
+    """An unsharded copy of a model with its current weights, for reference computations (FSDP2 modules cannot
+    be deep-copied). None stays None."""
+    if model is None:
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    copy = cls(model.config).eval()
+    copy.load_state_dict(full_state(model))
+    return copy
+
+
 def read_metrics(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
 
@@ -350,7 +369,7 @@ def test_grpo_reincarnation(tiny_model, train_file, tmp_path):
 
     pi_t = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-2")).state_dict()
     base = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
-    ref = state["reference"].state_dict()
+    ref = full_state(state["reference"])
     assert all(torch.equal(ref[k], pi_t[k]) for k in pi_t)
     assert any(not torch.equal(ref[k], base[k]) for k in base)
 
@@ -388,7 +407,7 @@ def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
     # the checkpoint reloads in transformers (same logits) and in vLLM (same log-probs)
     ckpt = out / "checkpoint-3"
     reloaded = AutoModelForCausalLM.from_pretrained(str(ckpt))
-    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), policy.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), full_state(policy).values()))
     assert (ckpt / "critic" / "config.json").exists()
     del state, llm
     engine = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
@@ -419,9 +438,9 @@ def test_cli_runs_and_rejects_bad_flags(tiny_model, train_file, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Crashes and bad input
 # ----------------------------------------------------------------------------------------------
-def cli(model, data, out, *extra) -> list[str]:
+def cli(model, data, out, *extra, sampler="hf") -> list[str]:
     return [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out),
-            "--sampler", "hf", "--algo", "ppo", "--steps", "6", "--prompts-per-step", "10", "--max-response-tokens",
+            "--sampler", sampler, "--algo", "ppo", "--steps", "6", "--prompts-per-step", "10", "--max-response-tokens",
             "24", "--mini-batch-prompts", "4", "--save-every", "2", "--keep-last", "2",
             "--seed", "5", *extra]
 
@@ -435,13 +454,14 @@ def comparable(row: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model, train_file, tmp_path):
-
+@pytest.mark.parametrize("sampler", ["hf", "vllm"])
+def test_resume_after_sigkill_matches_an_uninterrupted_run(sampler, tiny_model, train_file, tmp_path):
+    """vLLM too: every request's seed is a function of (seed, step, prompt), so a new engine resamples the same."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    subprocess.run(cli(tiny_model, train_file, tmp_path / "straight"), check=True, env=env, capture_output=True,
-                   timeout=600)
+    subprocess.run(cli(tiny_model, train_file, tmp_path / "straight", sampler=sampler), check=True, env=env,
+                   capture_output=True, timeout=600)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(cli(tiny_model, train_file, out), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cli(tiny_model, train_file, out, sampler=sampler), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     wait_into_step_3(proc, out, 0.4)
     proc.send_signal(signal.SIGKILL)
@@ -536,7 +556,7 @@ def test_grader_failures_are_counted_in_the_step(tiny_model, train_file, tmp_pat
     fine = tokenizer("\\boxed{7}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
 
     def sampler(policy, tok, prompts, n, args, device):
-        return [[(stuck if i == 0 else fine, "stop") for _ in range(n)] for i in range(len(prompts))]
+        return [[(stuck if i == 0 else fine, "stop", None) for _ in range(n)] for i in range(len(prompts))]
 
     monkeypatch.setattr(remix, "hf_generate", sampler)
     remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=1, prompts_per_step=3, off_policy_p=0.0,
@@ -603,7 +623,6 @@ def test_grpo_vtrace_product_vanishes_on_a_4000_token_response():
 
 
 def test_step_metrics_adv_scale_and_trace_product_by_hand():
-    import remix_utils
 
     fresh = [{"reward": 1.0, "response_ids": [0, 0], "truncated": False, "reflects": False, "version": 3},
              {"reward": 0.0, "response_ids": [0], "truncated": True, "reflects": True, "version": 3}]
@@ -673,10 +692,10 @@ def test_hf_sampler_stops_at_every_eos_id_of_the_generation_config(tiny_model):
     args = remix.Args(max_response_tokens=12, mini_batch_prompts=4)
     torch.manual_seed(0)
     free = remix.hf_generate(policy, tokenizer, prompts, 4, args, "cpu")[0]
-    assert all(finish == "length" and len(ids) == 12 for ids, finish in free)  # a random model rarely stops
+    assert all(finish == "length" and len(ids) == 12 for ids, finish, _ in free)  # a random model rarely stops
     policy.generation_config.eos_token_id = [tokenizer.eos_token_id] + list(range(256))  # every byte token ends
     stopped = remix.hf_generate(policy, tokenizer, prompts, 4, args, "cpu")[0]
-    assert all(finish == "stop" and len(ids) == 1 for ids, finish in stopped)
+    assert all(finish == "stop" and len(ids) == 1 for ids, finish, _ in stopped)
 
 
 def test_on_policy_means_no_replay_no_extra_passes_no_switch_and_kl_to_the_base(tiny_model, train_file, tmp_path):
@@ -724,9 +743,7 @@ def test_logged_losses_are_the_optimised_token_means(tiny_model, train_file, tmp
     real = remix.update
 
     def spy(batch, policy, *rest, **kw):
-        import copy
-
-        captured["batch"], captured["policy"] = [dict(s) for s in batch], copy.deepcopy(policy)
+        captured["batch"], captured["policy"] = [dict(s) for s in batch], plain_copy(policy)
         return real(batch, policy, *rest, **kw)
 
     monkeypatch.setattr(remix, "update", spy)
@@ -956,8 +973,8 @@ def prepared_update_case(model, data, out, algo) -> dict:
         if step == 2:
             captured.update(batch=[{k: v for k, v in s.items() if k not in DERIVED} for s in batch], lam=lam, utd=utd,
                             step=step, args=dataclasses.asdict(args), model=model,
-                            policy={k: v.clone() for k, v in policy.state_dict().items()},
-                            critic=None if critic is None else {k: v.clone() for k, v in critic.state_dict().items()})
+                            policy={k: v.clone() for k, v in full_state(policy).items()},
+                            critic=None if critic is None else {k: v.clone() for k, v in full_state(critic).items()})
         return real(batch, policy, critic, optimizers, lam, utd, step, args, *rest, **kw)
 
     remix.update = spy
@@ -973,10 +990,8 @@ def prepared_update_case(model, data, out, algo) -> dict:
 def run_update(case: dict) -> tuple[dict, dict]:
     """compute_advantages and update on this rank's share of the case's batch (whole groups, in order);
     returns the full parameters after the update (on rank 0) and the logged statistics."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    import remix_utils
 
     device = remix_utils.init_distributed()
     args = remix.Args(**case["args"])
@@ -988,7 +1003,8 @@ def run_update(case: dict) -> tuple[dict, dict]:
         critic = AutoModelForTokenClassification.from_pretrained(case["model"], config=config)
         critic.load_state_dict(case["critic"])
         critic.dropout.p = 0.0  # as load_models does
-    policy, critic = remix_utils.shard(policy, device), critic and remix_utils.shard(critic, device)
+    policy, critic = remix_utils.shard(policy, device, torch.float32), critic and remix_utils.shard(critic, device,
+                                                                                                   torch.float32)
     share = len(case["batch"]) // remix_utils.world()
     batch = case["batch"][remix_utils.rank() * share :][:share]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=args.weight_decay) if m is not None else None
@@ -996,8 +1012,7 @@ def run_update(case: dict) -> tuple[dict, dict]:
     remix.compute_advantages(batch, args)
     stats = remix.update(batch, policy, critic, optimizers, case["lam"], case["utd"], case["step"], args, device,
                          {"bad_updates": 0}, collections.Counter())
-    full = {name: get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if remix_utils.world() > 1 else m.state_dict() for name, m in (("policy", policy), ("critic", critic)) if m}
+    full = {name: full_state(m) for name, m in (("policy", policy), ("critic", critic)) if m}
     return full, dict(stats)
 
 
@@ -1033,7 +1048,6 @@ def test_two_processes_make_the_same_update_as_one(algo, tiny_model, train_file,
 
 def distributed_main(argv: list[str]):
     """torchrun --nproc-per-node 2 test_remix.py update CASE.pt OUT.pt"""
-    import remix_utils
 
     full, stats = run_update(torch.load(argv[1], weights_only=False))
     if remix_utils.rank() == 0:
@@ -1042,8 +1056,45 @@ def distributed_main(argv: list[str]):
     os._exit(0)  # skip the process group's teardown, which can abort at exit
 
 
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "update":
-    distributed_main(sys.argv[1:])
+def engine_tokens_main(argv: list[str]):
+    """torchrun --nproc-per-node 2 test_remix.py engine-tokens OUT REMIX_FLAGS...: remix.train with the token ids of
+    every vLLM call saved per rank (OUT/engine-tokens-rankR.pt), to compare the ranks of one engine."""
+    import tyro
+
+    calls, real = [], remix.vllm_generate
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append([[ids for ids, _, _ in group] for group in result])
+        return result
+
+    remix.vllm_generate = spy
+    remix.train(tyro.cli(remix.Args, args=argv[2:]))
+    torch.save(calls, Path(argv[1]) / f"engine-tokens-rank{remix_utils.rank()}.pt")
+    remix_utils.barrier()
+    os._exit(0)
+
+
+def timeout_main(argv: list[str]):
+    """torchrun --nproc-per-node 2 test_remix.py timeout SECONDS: rank 1 enters a barrier SECONDS late; rank 0 reports
+    how long it waited before its barrier gave up."""
+    import torch.distributed as dist
+
+    remix_utils.init_distributed(timeout_minutes=0.05)  # 3 s
+    start = time.time()
+    if dist.get_rank() == 1:
+        time.sleep(float(argv[1]))
+        os._exit(0)
+    try:
+        dist.barrier()
+        print("WAITED", time.time() - start, "no error", flush=True)
+    except Exception as error:  # gloo: a timeout error from the barrier
+        print("WAITED", time.time() - start, type(error).__name__, flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__" and len(sys.argv) > 1:
+    {"update": distributed_main, "engine-tokens": engine_tokens_main, "timeout": timeout_main}[sys.argv[1]](sys.argv[1:])
 
 
 def remix_cli(model, data, out, *extra) -> list[str]:
@@ -1084,14 +1135,28 @@ def test_torchrun_two_processes_end_to_end(algo, sampler, tiny_model, train_file
 
 @pytest.mark.slow
 def test_two_ranks_share_one_tensor_parallel_engine(tiny_model, train_file, tmp_path):
-    """--vllm-tp 2: both ranks drive one engine sharded over them; each trains on its half of the responses."""
+    """--vllm-tp 2: both ranks drive one engine sharded over them and draw the same tokens for its prompts (each
+    request carries its own seed); each trains on its half of the responses."""
     out = tmp_path / "run"
-    done = torchrun(*remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "vllm", "--group-size",
-                               "2", "--vllm-tp", "2", "--steps", "2"))
+    flags = remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "vllm", "--group-size", "2",
+                      "--vllm-tp", "2", "--steps", "2")[1:]
+    done = torchrun(str(HERE / "test_remix.py"), "engine-tokens", str(out), *flags)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_metrics(out)
     assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(12, 0), (12, 8)]
     assert all(r["perf/weight_sync_s"] > 0 for r in rows)
+    ranks = [torch.load(out / f"engine-tokens-rank{r}.pt") for r in (0, 1)]
+    assert len(ranks[0]) == 2 and [len(call) for call in ranks[0]] == [6, 6]  # the engine's 6 prompts, each step
+    assert ranks[0] == ranks[1]
+    assert ranks[0][0][0] != ranks[0][0][1]  # and the prompts' own seeds differ
+
+
+@pytest.mark.slow
+def test_every_collective_waits_at_most_the_dist_timeout(tmp_path):
+    done = torchrun(str(HERE / "test_remix.py"), "timeout", "8", timeout=120)
+    waited = [line.split() for line in done.stdout.splitlines() if line.startswith("WAITED")]
+    assert len(waited) == 1 and waited[0][2] != "no", done.stdout + done.stderr[-2000:]
+    assert 2.5 < float(waited[0][1]) < 10  # the 3 s timeout, not gloo's default of 30 minutes
 
 
 def worker_pids(agent: int) -> dict[int, int]:
@@ -1173,8 +1238,6 @@ class Spy:
              "kl_convex_lambda")
 
     def __init__(self, monkeypatch):
-        import copy
-
         self.calls, self.step, self.models, self.start, self.batches = [], 1, {}, {}, {}
         for name in self.NAMES:
             real = getattr(remix, name)
@@ -1190,7 +1253,7 @@ class Spy:
         def load(*a, **k):
             out = real_load(*a, **k)
             self.models = dict(zip(("tokenizer", "policy", "reference", "critic"), out))
-            self.start[1] = {n: copy.deepcopy(self.models[n]) for n in ("policy", "reference", "critic")}
+            self.start[1] = {n: plain_copy(self.models[n]) for n in ("policy", "reference", "critic")}
             return out
 
         monkeypatch.setattr(remix, "load_models", load)
@@ -1198,7 +1261,7 @@ class Spy:
         def on_step(step, record, policy, tokenizer, batch):
             self.batches[step] = [dict(s) for s in batch]
             self.step = step + 1
-            self.start[step + 1] = {n: copy.deepcopy(self.models[n]) for n in ("policy", "reference", "critic")}
+            self.start[step + 1] = {n: plain_copy(self.models[n]) for n in ("policy", "reference", "critic")}
 
         self.on_step = on_step
 
@@ -1222,7 +1285,7 @@ def scripted_right_answers(monkeypatch, train_file):
             right = tokenizer(f"so \\boxed{{{answer}}}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
             for j in range(len(group)):
                 if rng.random() < 0.5:
-                    group[j] = (right, "stop")
+                    group[j] = (right, "stop", None)
         return out
 
     monkeypatch.setattr(remix, "hf_generate", sampler)
@@ -1442,6 +1505,7 @@ def test_clipfrac_is_measured_around_the_centre():
 
 
 def test_models_have_no_dropout_in_training_mode(tiny_model, tmp_path):
+    remix_utils.init_distributed()
     _, policy, reference, critic = remix.load_models(remix.Args(model=tiny_model, algo="ppo"), torch.device("cpu"))
     mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7]}], "cpu")
     for model, fn in ((policy, lambda m: remix.policy_forward(m, mb, 1.0)[0]), (critic, lambda m: remix.critic_forward(m, mb))):
@@ -1458,7 +1522,6 @@ def test_models_have_no_dropout_in_training_mode(tiny_model, tmp_path):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk", [1, 5, 7, 64])
 def test_chunked_logprobs_and_gradients_equal_the_plain_computation(chunk):
-    import remix_utils
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(23, 16, generator=g, requires_grad=True)  # 23 tokens: ragged against every chunk size
@@ -1586,5 +1649,219 @@ def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
     for algo in ("ppo", "grpo"):
         run = result[f"end_to_end_{algo}"]
         assert run["finite"] and [s["phase"] for s in run["steps"]] == ["mix", "mix", "on-policy"]
-        assert [s["rollouts/total"] for s in run["steps"]] == [12, 24, 44]
+        assert [s["rollouts/total"] for s in run["steps"]] == {"ppo": [6, 12, 22], "grpo": [12, 24, 44]}[algo]
     assert {m["model"] for m in result["micro_batch"]} == {"policy", "critic"}
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU readiness: seeded sampling, precision, sharding state, memory between updates, the sampler mismatch
+# ----------------------------------------------------------------------------------------------
+def test_request_seeds_depend_only_on_seed_step_and_prompt_and_never_overlap():
+    seeds = {(seed, step, i): remix_utils.request_seed(seed, step, i, 8)
+             for seed in (1, 2) for step in (1, 2, 3) for i in range(200)}
+    assert all(value % 8 == 0 and 0 <= value < 2**62 for value in seeds.values())  # children seed + 0..7
+    children = [value + j for value in seeds.values() for j in range(8)]
+    assert len(set(children)) == len(children)  # no two responses of the run share a seed
+    assert remix_utils.request_seed(1, 2, 3, 8) == seeds[(1, 2, 3)]  # a function of its arguments alone
+
+
+def test_sampler_is_weight_by_hand():
+    trainer = torch.tensor([-1.0, -0.2, -3.0])
+    sampler = torch.tensor([-1.5, -1.5, -2.0])
+    # e^0.5 = 1.6487 under the cap; e^1.3 = 3.669 cut to 2; e^-1 = 0.3679 kept
+    expected = torch.tensor([math.exp(0.5), 2.0, math.exp(-1.0)])
+    torch.testing.assert_close(remix.sampler_is_weight(trainer, sampler, 2.0), expected)
+
+
+def test_weights_scale_each_token_of_mix_ppg():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    behaviour = logp - torch.tensor([[0.1, -0.1, 0.0]])
+    adv, mask = torch.tensor([[1.0, -2.0, 0.5]]), torch.ones(1, 3)
+    weights = torch.tensor([[0.5, 2.0, 1.0]])
+    ratio = torch.exp(logp - behaviour)
+    # no clipping at eps = 0.5 here: min(r A, clip(r) A) = r A, token mean of -w r A
+    expected = -(weights * ratio * adv).mean()
+    loss, _ = remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask, 0.5, weights)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask, 0.5)[0].item() == \
+        pytest.approx(-(ratio * adv).mean().item(), rel=1e-6)
+
+
+def test_sampler_mismatch_sums_by_hand():
+    fresh = [{"behaviour_logp": torch.tensor([-1.0, -2.0]), "sampler_logp": torch.tensor([-1.0, -1.0])},
+             {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": torch.tensor([-1.5]),
+              "sampler_weight": torch.tensor([2.0])},
+             {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": None}]  # the hf sampler: nothing to compare
+    gaps = [0.0, -1.0, 1.0]  # log pi_trainer - log pi_sampler on the three vLLM tokens
+    abs_sum, k3_sum, outside, weight_sum, count, largest = remix_utils.sampler_mismatch(fresh)
+    assert abs_sum == pytest.approx(2.0) and largest == pytest.approx(1.0) and count == 3
+    assert k3_sum == pytest.approx(sum(math.exp(g) - 1 - g for g in gaps))
+    assert outside == 2  # e^-1 = 0.37 and e^1 = 2.72 leave [0.5, 2]
+    assert weight_sum == pytest.approx(1.0 + 1.0 + 2.0)  # weight 1 where no correction is stored
+
+
+def test_update_releases_every_gradient(grpo_case):
+    _, policy, _ = rerun_update(grpo_case)
+    assert all(p.grad is None for p in policy.parameters())
+
+
+def test_critic_forward_builds_no_kv_cache(tiny_model):
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    critic = AutoModelForTokenClassification.from_pretrained(
+        tiny_model, config=AutoConfig.from_pretrained(tiny_model, num_labels=1))
+    caches = []
+    critic.model.register_forward_hook(lambda module, args, out: caches.append(out.past_key_values))
+    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}], "cpu")
+    with torch.no_grad():
+        remix.critic_forward(critic, mb)
+        critic(input_ids=mb["input_ids"])  # the model's own default would keep one
+    assert caches[0] is None and caches[1] is not None
+
+
+class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts dtype casts of tensors of one shape or its transpose (the output layer's weight)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.casts = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in (self.shape, self.shape[::-1]):
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_output_layer_is_cast_once_per_forward_under_autocast(tiny_model, monkeypatch):
+    """A caller's bf16 autocast over fp32 weights: one cast of the [V, H] weight for five chunks, forward and
+    recompute (autocast's cache misses the chunks' w.T views: it used to cast ten times, and ten gradients back)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(remix_utils, "LOGPROB_CHUNK", 8)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
+    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": list(range(10, 50))}], "cpu")  # 5 chunks of 8
+    counter = CastCounter(policy.get_output_embeddings().weight.shape)
+    with counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, entropy = remix.policy_forward(policy, mb, 1.0)
+        forward_casts = counter.casts
+        (logp.sum() + entropy.sum()).backward()
+    assert forward_casts == 1 and counter.casts == 2  # and the one cast's gradient back to fp32
+    plain = remix.policy_forward(policy, mb, 1.0)[0]  # and the chunks compute what one piece does, in bf16
+    assert (logp.float() - plain).abs().max().item() < 0.1
+
+
+def test_unsharded_restores_each_modules_reshard_setting(tiny_model):
+    """FSDP2 keeps the root unsharded after forward; generating with whole weights must leave it so."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForCausalLM
+
+    device = remix_utils.init_distributed()
+    policy = remix_utils.shard(AutoModelForCausalLM.from_pretrained(tiny_model), device, torch.float32)
+    modules = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+
+    def settings():
+        return [(m._get_fsdp_state()._auto_reshard_after_forward,
+                 [g.post_forward_mesh_info is None for g in m._get_fsdp_state()._fsdp_param_groups]) for m in modules]
+
+    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}], "cpu")
+    for first in (True, False):  # before any forward, and after the root's first forward chose its setting
+        before = settings()
+        with remix_utils.unsharded(policy):
+            pass
+        assert settings() == before
+        remix.policy_forward(policy, mb, 1.0)[0].sum().backward()
+    root, layer = settings()[0], settings()[-1]  # modules() yields the root first
+    assert root[1] == [True] and layer[1] == [False]  # the root stays whole after forward, the layers reshard
+
+
+def first_kl_to_reference(monkeypatch) -> list:
+    """Spies kl_convex_loss: the k3 KL to the reference of the first update micro-batch of the run."""
+    seen, real = [], remix.kl_convex_loss
+
+    def spy(logp, ref_logp, prox_logp, lam, mask):
+        if not seen:
+            seen.append(remix.masked_mean(remix.k3_kl(logp.detach().float(), ref_logp.float()), mask).item())
+        return real(logp, ref_logp, prox_logp, lam, mask)
+
+    monkeypatch.setattr(remix, "kl_convex_loss", spy)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm"), ("ppo", "vllm")])
+def test_bf16_runs_in_one_process_with_kl_zero_before_the_first_update(algo, sampler, tiny_model, train_file,
+                                                                        tmp_path, monkeypatch):
+    """--precision bf16 on the CPU: the GPU's numerics (FSDP2 mixed precision over fp32 masters, a bf16 reference,
+    a bf16 vLLM engine). Before the first optimizer step the policy and the reference give the same log-probs."""
+    first = first_kl_to_reference(monkeypatch)
+    group = 2 if algo == "grpo" else 1
+    state = remix.train(tiny_args(tiny_model, train_file, tmp_path, algo=algo, sampler=sampler, precision="bf16",
+                                  group_size=group, steps=2, actor_lr=1e-3))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["batch/historical"] > 0
+    assert first[0] < 1e-5
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert next(state["reference"].parameters()).dtype == torch.bfloat16
+    assert next(state["policy"].parameters()).dtype == torch.float32  # the masters
+    if sampler == "vllm":
+        assert state["llm"].llm_engine.model_config.dtype == torch.bfloat16
+        assert rows[0]["mismatch/abs_log_ratio_mean"] > 0  # a bf16 engine against the trainer's own bf16 passes
+
+
+@pytest.mark.slow
+def test_bf16_under_torchrun_with_kl_zero_before_the_first_update(tiny_model, train_file, tmp_path):
+    """Two processes, FSDP2 mixed precision over gloo, bf16 vLLM engines: step 1 takes one optimizer step on the
+    whole batch, so its logged kl/ref is the token mean over micro-batches that all ran before any update."""
+    out = tmp_path / "run"
+    done = torchrun(*remix_cli(tiny_model, train_file, out, "--algo", "ppo", "--sampler", "vllm", "--precision", "bf16",
+                               "--utd", "1", "--mini-batch-prompts", "10", "--steps", "2", "--actor-lr", "1e-3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["train/optimizer_steps"] == 1
+    assert rows[0]["kl/ref"] < 1e-5 < rows[1]["kl/ref"]
+    assert rows[0]["mismatch/abs_log_ratio_mean"] > 0
+
+
+@pytest.mark.slow
+def test_fp32_has_kl_zero_before_the_first_update_too(tiny_model, train_file, tmp_path, monkeypatch):
+    first = first_kl_to_reference(monkeypatch)
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="ppo", steps=1))
+    assert first[0] < 1e-5
+
+
+@pytest.mark.slow
+def test_sampler_correction_weights_are_stored_replayed_and_reach_the_loss(tiny_model, train_file, tmp_path,
+                                                                           monkeypatch):
+    seen, real = [], remix.mix_ppg_loss
+
+    def spy(*args, **kwargs):
+        seen.append(args[6])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(remix, "mix_ppg_loss", spy)
+    batches = {}
+
+    def on_step(step, record, policy, tokenizer, batch):
+        batches[step] = [(s, s["sampler_weight"].clone()) for s in batch]
+
+    cap = 1.0  # on CPU the fp32 engine and the trainer agree to about 1e-6: a cap of 1 binds on about half the tokens
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="grpo", sampler="vllm", group_size=2, steps=2,
+                          sampler_is_cap=cap), on_step=on_step)
+    rows = read_metrics(tmp_path)
+    fresh = [s for s, _ in batches[1]]
+    for s in fresh:
+        expected = torch.exp(s["behaviour_logp"] - s["sampler_logp"]).clamp(max=cap)
+        torch.testing.assert_close(s["sampler_weight"], expected)
+    weights = torch.cat([s["sampler_weight"] for s in fresh])
+    assert (weights == cap).any() and (weights < cap).any()
+    assert rows[0]["mismatch/is_weight_mean"] == pytest.approx(weights.mean().item(), rel=1e-5)
+    replayed = [(s, w) for s, w in batches[2] if s["version"] == 1]
+    assert replayed and all(torch.equal(s["sampler_weight"], w) for s, w in replayed)
+    assert all(w is not None for w in seen)  # every Mix-PPG call was weighted
+
+
+def test_sampler_correction_needs_vllm(tiny_model, train_file, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, sampler="hf", sampler_is_cap=2.0))
+    assert exit_info.value.code == 2
+    assert "--sampler-is-cap needs a cap > 0 and --sampler vllm" in capsys.readouterr().err

@@ -26,8 +26,8 @@ LOOP_TESTS = "spied or further or entropy_bonus or kl_coefficient or unpadded or
 # name -> (file, exact original text, mutated text)
 MUTANTS = {
     "ref log-probs where prox belongs in Mix-PPG": (
-        "remix.py", "mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps)",
-        "mix_ppg_loss(logp, behaviour, ref, adv, mask, args.clip_eps)"),
+        "remix.py", "mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights)",
+        "mix_ppg_loss(logp, behaviour, ref, adv, mask, args.clip_eps, weights)"),
     "ref and prox swapped in KL-Convex": (
         "remix.py", "klc = kl_convex_loss(logp, ref, prox, lam, mask)", "klc = kl_convex_loss(logp, prox, ref, lam, mask)"),
     "PPO advantages not whitened": (

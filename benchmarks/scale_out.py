@@ -1,6 +1,7 @@
 """Two processes (torchrun, FSDP2 over gloo) against one on this CPU, on the tiny model (README: Several GPUs).
 
     python benchmarks/scale_out.py --data ../shared/data/train/deepscaler_partial.jsonl
+    python benchmarks/scale_out.py --part host-memory [--before GIT_REVISION]
 
 1. End to end: GRPO, 16 prompts x 4 responses of up to 64 tokens per step, 6 steps (p = 0.4 during the mix
    stage, reincarnation after step 3), with the transformers and the vLLM sampler; `python remix.py` against
@@ -9,6 +10,10 @@
 2. One update: the batch update() received at step 2 of a real run, updated once in one process and once
    split over two (test_remix.run_update, the same code the equivalence test checks).
 Each measurement runs in its own process, alternating over rounds; medians and ratios.
+3. Host memory at start (--part host-memory): each rank's peak resident memory while `remix.load_models` loads
+   and shards the policy, reference and critic of a PPO run under `torchrun --nproc-per-node 2`, on a random
+   Qwen2 of 109 M parameters (hidden 1024, 12 layers: 0.44 GB in fp32), so the weights dominate. With
+   --before REV the same measurement also runs on that git revision's remix.py and remix_utils.py.
 """
 
 import argparse
@@ -63,11 +68,69 @@ os._exit(0)
     return float([line for line in done.stdout.splitlines() if line.startswith("SECONDS")][0].split()[1])
 
 
+HOST_MEMORY = """import json, os, resource, sys
+sys.path.insert(0, sys.argv[1])
+import torch, remix, remix_utils
+device = remix_utils.init_distributed()
+imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+remix.load_models(remix.Args(model=sys.argv[2], algo="ppo"), device)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print("RSS", json.dumps({"rank": remix_utils.rank(), "imports_gib": imported / 2**20, "peak_gib": peak / 2**20}),
+      flush=True)
+remix_utils.barrier()
+os._exit(0)
+"""
+
+
+def host_memory(source: Path, model: str, work: Path) -> list[dict]:
+    """Each rank's peak resident memory (ru_maxrss) after loading and sharding the three models of a PPO run."""
+    script = work / "host_memory.py"
+    script.write_text(HOST_MEMORY)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+                           str(source), model], check=True, capture_output=True, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return sorted((json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("RSS ")),
+                  key=lambda r: r["rank"])
+
+
+def host_memory_part(before: str | None, rounds: int):
+    from tiny_model import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="remix-host-"))
+    model = build_tiny_model(str(work / "model"), hidden_size=1024, layers=12)
+    sources = {"this checkout": ROOT}
+    if before:
+        old = work / "before"
+        old.mkdir()
+        for name in ("remix.py", "remix_utils.py"):
+            (old / name).write_text(subprocess.run(["git", "show", f"{before}:{name}"], cwd=ROOT, check=True,
+                                                   capture_output=True, text=True).stdout)
+        sources = {f"before ({before})": old, **sources}
+    peaks = {}
+    for round_ in range(rounds):
+        for label, source in sources.items():
+            ranks = host_memory(source, model, work)
+            peaks.setdefault(label, []).append(ranks)
+            print(f"round {round_}, {label}: " + ", ".join(f"rank {r['rank']} {r['peak_gib']:.2f} GiB" for r in ranks),
+                  flush=True)
+    print("\n| code | rank 0 peak (GiB) | rank 1 peak (GiB) | after imports (GiB) |\n|---|---|---|---|")
+    for label, runs in peaks.items():
+        med = [statistics.median(run[r]["peak_gib"] for run in runs) for r in (0, 1)]
+        imports = statistics.median(run[0]["imports_gib"] for run in runs)
+        print(f"| {label} | {med[0]:.2f} | {med[1]:.2f} | {imports:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="a .jsonl with problem/answer")
+    parser.add_argument("--part", choices=("speed", "host-memory"), default="speed")
+    parser.add_argument("--data", help="a .jsonl with problem/answer (the speed part)")
+    parser.add_argument("--before", help="host-memory: also measure this git revision's remix.py")
     parser.add_argument("--rounds", type=int, default=3)
     cli = parser.parse_args()
+    if cli.part == "host-memory":
+        return host_memory_part(cli.before, cli.rounds)
+    if not cli.data:
+        parser.error("--data is needed for the speed part")
     import torch
 
     import test_remix

@@ -1,0 +1,74 @@
+"""How far vLLM's probabilities of its own sampled tokens are from the trainer's (README: the sampler-trainer
+mismatch), on the CPU: a vLLM engine in fp32 and in bf16 against the fp32 trainer, and both in bf16 (what
+--precision bf16, the GPU default, runs).
+
+    python benchmarks/sampler_mismatch.py --data ../shared/data/train/deepscaler_partial.jsonl
+
+Each configuration is a real `remix.train` run (GRPO, 8 prompts x 4 responses of up to 128 tokens, 4 steps at
+actor lr 1e-5) in its own process, on two random-weight Qwen2 models: the tests' tiny one (hidden 128, 2
+layers) and a deeper one (hidden 512, 8 layers). The figures are the run's own logged mismatch/* metrics
+(token means over every fresh token of the 4 steps, and the largest |log ratio| seen). Random weights give
+nearly flat next-token distributions: a trained model's sharper ones can differ more.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RUN = """import json, sys
+sys.path.insert(0, {root!r})
+import remix
+make_vllm = remix.make_vllm
+remix.make_vllm = lambda args, device, dtype: make_vllm(args, device, {engine!r})  # the engine's dtype alone
+args = remix.Args(model={model!r}, dataset={data!r}, out={out!r}, algo="grpo", sampler="vllm", steps=4,
+                  prompts_per_step=8, group_size=4, max_response_tokens=128, mini_batch_prompts=4, save_every=0,
+                  actor_lr=1e-5, precision={precision!r})
+remix.train(args)
+"""
+
+KEYS = ("mismatch/abs_log_ratio_mean", "mismatch/k3_kl", "mismatch/ratio_outside_0.5_2")
+
+
+def run(model: str, data: str, out: Path, engine: str, precision: str) -> dict:
+    script = out.with_suffix(".py")
+    script.write_text(RUN.format(root=str(ROOT), model=model, data=data, out=str(out), engine=engine,
+                                 precision=precision))
+    subprocess.run([sys.executable, str(script)], check=True, capture_output=True,
+                   env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    weights = [r["batch/fresh"] * r["response/length_mean"] for r in rows]  # fresh tokens per step
+    summary = {k: sum(w * r[k] for w, r in zip(weights, rows)) / sum(weights) for k in KEYS}
+    summary["mismatch/abs_log_ratio_max"] = max(r["mismatch/abs_log_ratio_max"] for r in rows)
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="a .jsonl with problem/answer")
+    cli = parser.parse_args()
+    from tiny_model import build_tiny_model, write_short_problems
+
+    work = Path(tempfile.mkdtemp(prefix="remix-mismatch-"))
+    data = write_short_problems(cli.data, work / "train.jsonl", max_chars=120, limit=64)
+    models = {"hidden 128, 2 layers": build_tiny_model(str(work / "tiny")),
+              "hidden 512, 8 layers": build_tiny_model(str(work / "deeper"), hidden_size=512, layers=8)}
+    configs = [("float32", "fp32", "vLLM fp32 / trainer fp32"), ("bfloat16", "fp32", "vLLM bf16 / trainer fp32"),
+               ("bfloat16", "bf16", "vLLM bf16 / trainer bf16 (--precision bf16)")]
+    print("| model | sampler / trainer | mean abs log ratio | k3 KL | max abs log ratio | ratio outside [0.5, 2] |\n"
+          "|---|---|---|---|---|---|")
+    for name, model in models.items():
+        for engine, precision, label in configs:
+            s = run(model, data, work / f"{Path(model).name}-{engine}-{precision}", engine, precision)
+            print(f"| {name} | {label} | {s[KEYS[0]]:.2e} | {s[KEYS[1]]:.2e} | {s['mismatch/abs_log_ratio_max']:.2e} "
+                  f"| {s[KEYS[2]]:.2e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
