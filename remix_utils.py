@@ -869,7 +869,7 @@ def sampler_mismatch(fresh: list[dict]) -> list[float]:
              if s.get("sampler_logp") is not None]
     if not pairs:
         return [0.0] * 6
-    log_r = torch.cat([trainer - sampler for trainer, sampler, _ in pairs])  # [fresh tokens]
+    log_r = torch.cat([trainer - sampler for trainer, sampler, _ in pairs]).double()  # [fresh tokens], fp64 for r-1-log r
     weights = torch.cat([w if w is not None else torch.ones_like(t) for t, _, w in pairs])  # [fresh tokens]
     return [log_r.abs().sum().item(), (log_r.exp() - 1 - log_r).sum().item(),
             (log_r.abs() > math.log(2)).sum().item(), weights.sum().item(), float(len(log_r)), log_r.abs().max().item()]

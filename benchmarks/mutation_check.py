@@ -95,6 +95,16 @@ MUTANTS = {
         "adv = delta + gamma * lam * trace_c[:, t] * next_adv  # [B]"),
     "deque keeps batches after reincarnation": (
         "remix.py", "    replay.clear()\n", "    pass\n"),
+    "gradients kept through generation": (
+        "remix.py", "        optim.zero_grad(set_to_none=True)  # no gradients held", "        pass  # no gradients held"),
+    "the critic's value pass builds a KV cache": (
+        "remix.py", "out = critic(input_ids=batch[\"input_ids\"], attention_mask=batch[\"attention_mask\"], use_cache=False,",
+        "out = critic(input_ids=batch[\"input_ids\"], attention_mask=batch[\"attention_mask\"], use_cache=None,"),
+    "unsharded() leaves every module resharding after forward": (
+        "remix_utils.py", "            state._auto_reshard_after_forward = auto\n",
+        "            state._auto_reshard_after_forward = auto\n            m.set_reshard_after_forward(True)\n"),
+    "the output layer cast in every chunk": (
+        "remix_utils.py", "    if torch.is_autocast_enabled(hidden.device.type):", "    if False:"),
 }
 
 

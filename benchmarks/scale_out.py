@@ -12,7 +12,8 @@
 Each measurement runs in its own process, alternating over rounds; medians and ratios.
 3. Host memory at start (--part host-memory): each rank's peak resident memory while `remix.load_models` loads
    and shards the policy, reference and critic of a PPO run under `torchrun --nproc-per-node 2`, on a random
-   Qwen2 of 109 M parameters (hidden 1024, 12 layers: 0.44 GB in fp32), so the weights dominate. With
+   Qwen2 of 109 M parameters (hidden 1024, 12 layers: 0.44 GB in fp32), stored in bf16 as hub checkpoints
+   are, so the weights dominate. With
    --before REV the same measurement also runs on that git revision's remix.py and remix_utils.py.
 """
 
@@ -94,10 +95,17 @@ def host_memory(source: Path, model: str, work: Path) -> list[dict]:
 
 
 def host_memory_part(before: str | None, rounds: int):
+    import torch
+
     from tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="remix-host-"))
     model = build_tiny_model(str(work / "model"), hidden_size=1024, layers=12)
+    from transformers import AutoModelForCausalLM
+
+    # stored in bf16, as hub checkpoints are: loading fp32 masters then converts into new memory (an fp32
+    # checkpoint would be memory-mapped, and only the pages that sharding reads would count)
+    AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).save_pretrained(model)
     sources = {"this checkout": ROOT}
     if before:
         old = work / "before"
