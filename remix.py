@@ -35,12 +35,13 @@ import tyro
 from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 
-from remix_utils import (all_gather, all_reduce, catch_interrupts, check_args, check_hub, check_interrupted,
-                         check_model_path, close_pool, fail, finish_distributed, full_tensors, init_distributed,
-                         Interrupted, interrupted, is_hub_id, load_optimizers, load_problems, load_trainer_state,
-                         make_vllm, map_with_deadline, micro_batches, offline_hint, prepare_out, prompt_stream, rank,
+from remix_utils import (all_reduce, backward_share, catch_interrupts, check_args, check_hub, check_interrupted,
+                         check_model_path, close_pool, collate, fail, finish_distributed, full_tensors, hf_generate,
+                         init_distributed, Interrupted, interrupted, is_hub_id, join_collectives, load_optimizers,
+                         load_problems, load_trainer_state, make_vllm, map_with_deadline, micro_batches, mini_batches,
+                         offline_hint, optimizer_step, per_rank, prepare_out, prompt_shares, prompt_stream, rank,
                          request_seed, resume_args, RunLog, save_checkpoint, say, set_rng_state, shard, step_metrics,
-                         unsharded, use_logprob_head, wake, without_dropout, world)
+                         use_logprob_head, wake, without_dropout, world)
 
 
 @dataclass
@@ -210,8 +211,9 @@ def final_answer(response: str) -> str | None:
 
 
 def grade_response(response: str, answer: str) -> tuple[float, str]:
-    """(reward, status), status in ok | no_boxed | unparsable | error. Runs in a grader worker's main
-    thread, where math-verify's alarm-based timeouts work."""
+    """The answer check: (1.0 if right else 0.0, status), status in ok | no_boxed | unparsable | error. What
+    eval.py's Pass@1 counts; the training reward builds on it. Runs in a grader worker's main thread, where
+    math-verify's alarm-based timeouts work."""
     from math_verify import verify
     from math_verify.errors import TimeoutException
 
@@ -240,6 +242,15 @@ def grade_any(response: str, answers: list[str]) -> tuple[float, str]:
     return max(graded, key=lambda g: g[0])
 
 
+def training_reward(response: str, answer: str) -> tuple[dict[str, float], str]:
+    """The training reward by its parts (the reward is their sum; each part is logged as reward/NAME), and the
+    answer check's status. ReMix's reward is correctness alone; a fork may add parts (a format bonus) without
+    touching the answer check that eval.py reports. It runs in a grader worker process, like the answer check,
+    so it must be a module-level function."""
+    correct, status = grade_response(response, answer)
+    return {"correct": correct}, status
+
+
 def grade_many(items: list[tuple[str, list[str]]], workers: int = 2, timeout: float = 20.0) -> list[tuple]:
     """grade_any over (response, answers) items in worker processes with a hard limit per answer: some
     answers hang math-verify inside C code, where its own alarm never fires. Past it: (0.0, "timeout")."""
@@ -248,12 +259,41 @@ def grade_many(items: list[tuple[str, list[str]]], workers: int = 2, timeout: fl
 
 # ==============================================================================================
 # ALGO LOGIC: the paper's equations, each a pure function over [batch, seq] tensors and masks
-# (masks may be bool or float 0/1)
+# (masks may be bool or float 0/1).
+#   paper          code                       what
+#   mu             behaviour_logp             the policy that sampled a response: pi_{k-i}, i steps ago
+#   pi_k           prox_logp                  the policy at the start of step k (frozen for the step)
+#   pi_theta       logp                       the policy being optimised
+#   pi_ref         ref_logp                   the KL anchor: the base model, pi_T after reincarnation
+#   B, G           prompts_per_step, group_size   prompts per step (fresh + historical), responses per prompt
+#   p, N, m, T     off_policy_p, window, utd, reincarnate_step
+#   r, c           ratio = pi_theta/mu, centre = pi_k/mu (Eq. 4); c_t = min(c_bar, pi_k/mu) (V-trace)
+# Tensors are [B, T] = [responses, response tokens]; a sample (one response) is a dict (its fields: the
+# banner of ONE TRAINING STEP).
 # ==============================================================================================
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(a_t|s_t) and the entropy of pi(.|s_t), [N, 2], from the logits [N, V] at each response position
+    and the tokens [N] that were sampled there: a log-softmax at the sampling temperature (vLLM samples from
+    softmax(logits / T)), gathered. The trainer computes it in chunks of the vocabulary's logits
+    (remix_utils.chunked_logprobs), to the same numbers."""
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
+    entropy = -(log_probs.exp() * log_probs).sum(-1)  # [N]
+    return torch.stack([log_probs.gather(-1, tokens[:, None])[:, 0], entropy], dim=-1)  # [N, 2]
+
+
+def aggregation(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How every loss term is averaged (Decision 3), in this one place: weights per token [B, T] and the size
+    they sum to. The token mean: weight 1 per token, size = tokens. update() divides by the mini-batch's size
+    over all micro-batches and ranks, and logs the same mean. (A sequence mean would be mask / length and
+    rows; a constant normaliser mask and rows * L.)"""
+    weights = mask.float()  # [B, T]
+    return weights, weights.sum()
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token mean over the mask: the loss aggregation of every term (README Decision 3; change it here)."""
-    mask = mask.bool()
-    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+    """The aggregated mean of x over the mask: sum of weight * x / size (aggregation)."""
+    weights, size = aggregation(mask)
+    return (torch.where(weights > 0, x, 0.0) * weights).sum() / size.clamp(min=1e-12)
 
 
 def kl_convex_lambda(t: int, start: int = 50, every: int = 10) -> float:
@@ -272,7 +312,8 @@ def k3_kl(logp: torch.Tensor, anchor_logp: torch.Tensor) -> torch.Tensor:
 
 
 def kl_convex_loss(logp, ref_logp, prox_logp, lam: float, mask) -> torch.Tensor:
-    """Eq. 5: lambda * KL(pi_theta || pi_ref) + (1 - lambda) * KL(pi_theta || pi_k), token mean."""
+    """Eq. 5: lambda * KL(pi_theta || pi_ref) + (1 - lambda) * KL(pi_theta || pi_k), token mean. The paper's
+    "precedent model" is pi_k, whose log-probs the step has already (Decision 5)."""
     per_token = lam * k3_kl(logp, ref_logp) + (1.0 - lam) * k3_kl(logp, prox_logp)  # [B, T]
     return masked_mean(per_token, mask)
 
@@ -289,6 +330,9 @@ def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: f
         delta_t    = r_t + gamma * V(s_{t+1}) - V(s_t)          (V after the last token = 0)
         A_t        = delta_t + gamma * lam * c_{t+1} * A_{t+1}
         V_target_t = c_t * A_t + V(s_t)
+
+    The target is V-trace's v_t with rho = c: A_t = sum_{j>=t} (gamma lam)^(j-t) (prod_{i=t+1..j} c_i) delta_j,
+    so v_t - V(s_t) = sum_j ... (prod_{i=t..j} c_i) delta_j = c_t * A_t.
 
     Example, one response of 3 tokens, reward 1 at the end, V = (0.5, 0.6, 0.7), c = (1, 0.5, 0.8),
     gamma = lam = 1: A_3 = 1 - 0.7 = 0.3; A_2 = (0.7 - 0.6) + 0.8 * 0.3 = 0.34;
@@ -399,11 +443,10 @@ def policy_objective(mix_ppg, entropy, kl_convex, ent_coef: float, beta: float) 
 # The replay deque: one entry per past step, holding that step's fresh groups
 # ----------------------------------------------------------------------------------------------
 def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
-    """Uniformly draw n_groups whole groups from every batch in the deque, without replacement.
-
-    Decision: GRPO draws whole groups, so group statistics never mix fresh and old responses.
-    Fewer are returned when the deque holds fewer (it is empty on the first step).
-    """
+    """n_groups whole groups drawn uniformly, without replacement, from all the groups the deque holds (the
+    batches of the last N policies, pooled). Whole groups (Decision 2), so group statistics never mix fresh and
+    old responses. Fewer are returned when the deque holds fewer (it is empty on the first step). The loop draws
+    before it appends this step's fresh groups: those are pi_k's own, not history."""
     stored = [group for batch in replay for group in batch]
     return random.sample(stored, min(n_groups, len(stored)))
 
@@ -434,12 +477,12 @@ def load_models(args: Args, device: torch.device, checkpoint: str | None = None)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         policy = trainable(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32))
-    except OSError as error:
+    except (OSError, ValueError) as error:  # a folder without a model: OSError, or ValueError from the tokenizer
         fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{offline_hint()}")
     ref_source = os.path.join(checkpoint, "reference") if checkpoint and os.path.isdir(
         os.path.join(checkpoint, "reference")) else args.model
-    reference = shard(AutoModelForCausalLM.from_pretrained(ref_source, dtype=dtype).eval().requires_grad_(False),
-                      device, dtype)
+    reference = None if args.kl_beta == 0 else shard(  # no KL term, no reference
+        AutoModelForCausalLM.from_pretrained(ref_source, dtype=dtype).eval().requires_grad_(False), device, dtype)
     critic = None
     if args.algo == "ppo":  # the paper's critic: the base model with a scalar head
         critic_source = os.path.join(checkpoint, "critic") if checkpoint else args.model
@@ -456,35 +499,15 @@ def load_models(args: Args, device: torch.device, checkpoint: str | None = None)
     return tokenizer, policy, reference, critic
 
 
-def collate(samples: list[dict], device) -> dict:
-    """Left-pad prompts and right-pad responses so response token j sits at column P + j in every row.
-    Padding is masked out, so its token id does not matter. An empty list gives a one-token stand-in.
-
-    Returns input_ids/attention_mask/position_ids [B, P + R], response_mask [B, R] and P.
-    """
-    samples = samples or [{"prompt_ids": [0], "response_ids": [0]}]
-    prompt_len = max(len(s["prompt_ids"]) for s in samples)
-    resp_len = max(len(s["response_ids"]) for s in samples)
-    rows, masks = [], []
-    for s in samples:
-        p, r = len(s["prompt_ids"]), len(s["response_ids"])
-        rows.append([0] * (prompt_len - p) + s["prompt_ids"] + s["response_ids"] + [0] * (resp_len - r))
-        masks.append([0] * (prompt_len - p) + [1] * (p + r) + [0] * (resp_len - r))
-    input_ids = torch.tensor(rows, device=device)  # [B, P + R]
-    attention_mask = torch.tensor(masks, device=device)  # [B, P + R]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P + R] left padding shifts positions
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "response_mask": attention_mask[:, prompt_len:].bool(), "prompt_len": prompt_len}
-
-
 def policy_forward(model, batch: dict, temperature: float):
-    """Log-prob of each response token under model and the entropy of its next-token distribution, [B, R]
-    each; the output layer computes them chunk by chunk (use_logprob_head). The model's own dtype (FSDP2's
-    mixed precision, --precision) sets the precision: no autocast, so policy and reference compute alike."""
+    """token_logprobs of each response token under model: log pi(a_t|s_t) and the entropy, [B, R] each. The
+    output layer computes them chunk by chunk (use_logprob_head). The model's own dtype (FSDP2's mixed
+    precision, --precision) sets the precision: no autocast, so policy and reference compute alike."""
     head, resp_len = model.get_output_embeddings(), batch["response_mask"].shape[1]
     if not hasattr(head, "targets"):
         use_logprob_head(model)
-    head.targets = (batch["input_ids"][:, batch["prompt_len"]:], temperature)
+    head.targets = (batch["input_ids"][:, batch["prompt_len"]:], functools.partial(token_logprobs,
+                                                                                    temperature=temperature))
     try:  # the prompt positions never reach the output layer
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
                     position_ids=batch["position_ids"], logits_to_keep=resp_len + 1).logits  # [B, R, 2]
@@ -508,11 +531,13 @@ def per_token(fn, model, samples: list[dict], args: Args, device, work) -> list[
     results = {}
     for micro in micro_batches(samples, args.max_tokens_per_micro_batch, work):
         out = fn(model, collate(micro, device))  # [b, R]
+        # keyed by id(): micro_batches reorders the samples by length, and a dict is not hashable
         results.update({id(s): out[j, : len(s["response_ids"])].float().cpu() for j, s in enumerate(micro)})
     return [results[id(s)] for s in samples]
 
 
-def logprobs(args: Args):
+def logprob_pass(args: Args):
+    """per_token's function for log pi(a_t|s_t) at the run's temperature."""
     return lambda model, batch: policy_forward(model, batch, args.temperature)[0]
 
 
@@ -546,41 +571,31 @@ def push_weights(llm, policy, vllm_sleep: bool) -> float:
     return time.perf_counter() - start
 
 
-@torch.no_grad()
-def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args: Args, device):
-    """The same contract as vllm_generate with transformers' generate (no top-k; temperature 0 is greedy; no
-    sampler log-probs: the sampler is the trainer). It stops at any end-of-sequence id of the model's
-    generation config, as vLLM does."""
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
-        if args.temperature > 0 else dict(do_sample=False)
-    eos = policy.generation_config.eos_token_id
-    stops = set(eos if isinstance(eos, list) else [eos]) - {None} | {tokenizer.eos_token_id}
-    results = []
-    policy.eval()
-    with unsharded(policy):  # FSDP: whole weights while generating
-        for i in range(0, len(prompts), args.mini_batch_prompts):
-            batch = collate([{"prompt_ids": p, "response_ids": []} for p in prompts[i : i + args.mini_batch_prompts]],
-                            device)
-            batch["input_ids"][batch["attention_mask"] == 0] = tokenizer.pad_token_id
-            sequences = policy.generate(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_return_sequences=n,
-                max_new_tokens=args.max_response_tokens, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=sorted(stops), **sampling)  # [b * n, P + new]
-            for row in sequences[:, batch["prompt_len"]:].tolist():
-                end = next((j for j, token in enumerate(row) if token in stops), None)
-                results.append((row, "length", None) if end is None else (row[: end + 1], "stop", None))
-    return [results[k * n : (k + 1) * n] for k in range(len(prompts))]
-
-
 def padded(samples: list[dict], key: str) -> torch.Tensor:
     """A per-token vector stored with each sample, right-padded into [B, R]."""
     return pad_sequence([s[key] for s in samples], batch_first=True)
 
 
+def response_mask(samples: list[dict]) -> torch.Tensor:
+    """[B, R], True on each sample's response tokens (right-padded, as padded() lays them out)."""
+    if not samples:
+        return torch.zeros(0, 0, dtype=torch.bool)
+    return pad_sequence([torch.ones(len(s["response_ids"]), dtype=torch.bool) for s in samples], batch_first=True)
+
+
 # ==============================================================================================
 # ONE TRAINING STEP, phase by phase in the paper's order; each is a function a fork can replace.
 # Every rank runs each phase on its own share of the batch; `all_reduce`/`all_gather` mark where the
-# ranks combine their parts.
+# ranks combine their parts. A sample is one response, a dict whose fields the phases fill in:
+#   phase               fields ([R] = one value per response token)                      in the deque
+#   1 sample            prompt_ids, response_ids, answer, version (its policy's step k),  stored
+#                       group, truncated, sampler_logp [R] (vLLM's, None with hf)
+#   2 score             reward, reward_parts, reflects                                   stored
+#   3 behaviour/ref     behaviour_logp [R] (mu), ref_logp [R], sampler_weight [R]        stored
+#   4 prox/values       prox_logp [R] (pi_k), values [R] (PPO)                           recomputed
+#   5 advantages        advantages [R], value_targets [R] (PPO)                          recomputed
+# A historical sample keeps what it was stored with and gets 4 and 5 anew every step; the loop drops them
+# at the step's end.
 # ==============================================================================================
 def stage(step: int, args: Args) -> tuple[bool, float, int]:
     """Mix stage (p, m) through step T; after it, plain on-policy: p = 0 and m = 1 (Eq. 6, Decision 6)."""
@@ -593,35 +608,34 @@ def sample(llm, policy, tokenizer, prompts: list[tuple], step: int, args: Args, 
     group of samples per prompt. Each vLLM request carries its own seed, made from the prompt's index in
     the step, so the ranks of one engine (--vllm-tp), which generate its prompts together and each keep
     their share, draw the same tokens, and a resumed run draws what an uninterrupted one would."""
-    share = len(prompts) // world()
-    mine = prompts[rank() * share :][:share]
+    mine, engine, first, offset = prompt_shares(prompts, args.vllm_tp)  # this rank's prompts; its engine's
     if llm is not None:
-        first = rank() // args.vllm_tp * args.vllm_tp * share  # the index of this engine's first prompt
-        engine_prompts = [ids for ids, _, _ in prompts[first : first + args.vllm_tp * share]]
         if args.vllm_sleep:
             wake(llm, "kv_cache")
-        seeds = [request_seed(args.seed, step, first + i, args.group_size) for i in range(len(engine_prompts))]
-        generations = vllm_generate(llm, engine_prompts, args.group_size, args, seeds)[rank() % args.vllm_tp * share:]
+        seeds = [request_seed(args.seed, step, first + i, args.group_size) for i in range(len(engine))]
+        generations = vllm_generate(llm, [p.ids for p in engine], args.group_size, args, seeds)[offset:]
         if args.vllm_sleep:  # level 2 keeps no copy of the weights: the next push replaces them
             llm.sleep(level=2)
     else:
-        generations = hf_generate(policy, tokenizer, [ids for ids, _, _ in mine], args.group_size, args, device)
+        generations = hf_generate(policy, tokenizer, [p.ids for p in mine], args.group_size, args, device)
     # a group id unique over the run: a step's groups never exceed a million
-    return [[{"prompt_ids": ids, "response_ids": response or [tokenizer.pad_token_id], "answer": answer,
+    return [[{"prompt_ids": prompt.ids, "response_ids": response or [tokenizer.pad_token_id], "answer": prompt.answer,
               "version": step, "group": step * 1_000_000 + i, "truncated": finish == "length",
               "sampler_logp": None if logps is None or not response else logps}
              for response, finish, logps in group]
-            for i, ((ids, answer, _), group) in enumerate(zip(mine, generations))]
+            for i, (prompt, group) in enumerate(zip(mine, generations))]
 
 
 def score(fresh: list[dict], tokenizer, args: Args) -> collections.Counter:
-    """2. Score: reward 1.0 if the final answer is right under math-verify, else 0.0. Returns the grader's
-    status counts."""
+    """2. Score: training_reward of each response (1.0 if its final answer is right under math-verify, else
+    0.0), graded in worker processes with a deadline (a timeout scores 0). Returns the grader's status counts."""
     texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in fresh]
-    grades = grade_many([(text, [s["answer"]]) for text, s in zip(texts, fresh)], args.grader_workers,
-                        args.grade_timeout)
-    for s, text, (reward, _) in zip(fresh, texts, grades):
-        s["reward"], s["reflects"] = reward, any(word in text.lower() for word in SELF_REFLECTION_WORDS)
+    grades = map_with_deadline(training_reward, [(text, s["answer"]) for text, s in zip(texts, fresh)],
+                               args.grader_workers, args.grade_timeout, ({}, "timeout"), warm=parse_boxed,
+                               warm_args=("1",))
+    for s, text, (parts, _) in zip(fresh, texts, grades):
+        s["reward"], s["reward_parts"] = sum(parts.values(), 0.0), parts
+        s["reflects"] = any(word in text.lower() for word in SELF_REFLECTION_WORDS)
     return collections.Counter(status for _, status in grades)
 
 
@@ -630,7 +644,7 @@ def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args, de
     the reference's. pi_ref is fixed until reincarnation, which empties the deque, so stored reference
     log-probs stay exact for as long as a sample can be replayed."""
     for key, model in (("behaviour_logp", policy), ("ref_logp", reference)):
-        for s, logp in zip(fresh, per_token(logprobs(args), model, fresh, args, device, work)):
+        for s, logp in zip(fresh, per_token(logprob_pass(args), model, fresh, args, device, work) if model else ()):
             s[key] = logp  # [R_i]
     if args.sampler_is_cap is not None:  # stored with the sample: a replayed sample keeps its weight
         for s in fresh:
@@ -641,7 +655,7 @@ def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args
     """4. log pi_k on the historical samples (on fresh ones pi_k = mu), and the critic's values on all."""
     for s in fresh:
         s["prox_logp"] = s["behaviour_logp"]
-    for s, logp in zip(history, per_token(logprobs(args), policy, history, args, device, work)):
+    for s, logp in zip(history, per_token(logprob_pass(args), policy, history, args, device, work)):
         s["prox_logp"] = logp
     if critic is not None:
         for s, values in zip(fresh + history, per_token(critic_forward, critic, fresh + history, args, device, work)):
@@ -651,7 +665,7 @@ def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args
 def compute_advantages(batch: list[dict], args: Args) -> dict:
     """5. Advantages per response token, recomputed every step with the current pi_k and critic: V-trace
     GAE whitened over the global batch (PPO), or the group advantage (GRPO, Decision 4)."""
-    mask = pad_sequence([torch.ones(len(s["response_ids"]), dtype=torch.bool) for s in batch], True)  # [B, R]
+    mask = response_mask(batch)  # [B, R]
     behaviour, prox = padded(batch, "behaviour_logp"), padded(batch, "prox_logp")  # [B, R]
     trace_c = truncated_trace(prox, behaviour, mask, args.vtrace_c_bar)  # [B, R]
     scores = torch.tensor([s["reward"] for s in batch])  # [B]
@@ -673,73 +687,52 @@ def compute_advantages(batch: list[dict], args: Args) -> dict:
 
 def update(batch: list[dict], policy, critic, optimizers, lam: float, utd: int, step: int, args: Args, device,
            progress: dict, work) -> dict:
-    """6. utd passes over the batch; each pass splits it into mini-batches of mini_batch_prompts prompts'
-    responses (over all ranks: the same split one process would make) with one optimizer step each, on
-    Mix-PPG - entropy + beta * KL-Convex, and the critic's clipped value loss. Every term is the token mean
-    over the mini-batch (Decision 3): micro-batches are weighted by their share of its tokens."""
-    sizes = all_gather(len(batch))
-    offset, total = sum(sizes[: rank()]), sum(sizes)
-    names = ["losses/policy_loss", "losses/entropy", "losses/kl_convex", "losses/clipfrac", "kl/ref", "kl/prox",
-             "losses/value_loss"][: 7 if critic is not None else 6]
-    stats = collections.defaultdict(list)
+    """6. utd passes over the batch (Decision 13); each pass cuts a new random order of it into mini-batches of
+    mini_batch_prompts prompts' responses, one optimizer step each, on Mix-PPG - entropy + beta * KL-Convex
+    (Eq. 6) and the critic's clipped value loss. Every term is aggregated over the whole mini-batch
+    (`aggregation`, Decision 3), however it is split into micro-batches and ranks."""
+    stats = collections.defaultdict(list)  # one entry per optimizer step (README: Metrics)
+    names = ["losses/policy_loss", "losses/entropy", "losses/clipfrac", "kl/prox"]
+    names += (["losses/kl_convex", "kl/ref"] if args.kl_beta else []) + (["losses/value_loss"] if critic else [])
     models = [m for m in (policy, critic) if m is not None]
     for model in models:  # training mode: transformers checkpoints activations only then (no dropout here)
         model.train()
     for epoch in range(utd):
-        seed = args.seed * 1_000_003 + step * 1_009 + epoch
-        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()  # same on all ranks
-        for start in range(0, total, args.mini_batch_prompts * args.group_size):
-            rows = [batch[i - offset] for i in order[start : start + args.mini_batch_prompts * args.group_size]
-                    if offset <= i < offset + len(batch)]
-            tokens = all_reduce(torch.tensor(float(sum(len(s["response_ids"]) for s in rows))))  # over all ranks
-            sums = torch.zeros(len(names) + 1)  # token-weighted sums of the logged terms, and non-finite ones
+        for rows in mini_batches(batch, args.mini_batch_prompts * args.group_size, args.seed, step, epoch):
+            size = all_reduce(aggregation(response_mask(rows))[1])  # what the mini-batch's means divide by
+            logged = dict.fromkeys(names, 0.0)  # each term summed with its micro-batch's share
             for optim in filter(None, optimizers):
                 optim.zero_grad(set_to_none=True)
             for micro in micro_batches(rows, args.max_tokens_per_micro_batch, work):
                 mb = collate(micro, device)
                 mask = mb["response_mask"]  # [b, r]
-                weight = mask.sum() / tokens.to(device) * world()  # FSDP averages gradients over ranks: undo it
-                logp, entropy = policy_forward(policy, mb, args.temperature)  # [b, r]
-                if not micro:  # a stand-in, so that this rank joins the other ranks' FSDP gathers and reductions
-                    for model, out in ((policy, logp), (critic, None)):
-                        if model is not None:
-                            ((out if out is not None else critic_forward(critic, mb)).sum() * 0.0).backward()
+                share = aggregation(mask)[1] / size  # this micro-batch's part of the mini-batch's mean
+                logp, entropy = policy_forward(policy, mb, args.temperature)  # [b, r] log pi_theta, H(pi_theta)
+                if not micro:  # this rank has no sample here, but must join the others' FSDP collectives
+                    join_collectives(logp, critic_forward(critic, mb) if critic is not None else None)
                     continue
-                behaviour, prox, ref, adv = (padded(micro, key).to(device) for key in
-                                             ("behaviour_logp", "prox_logp", "ref_logp", "advantages"))  # [b, r]
+                behaviour, prox, adv = (padded(micro, key).to(device) for key in
+                                        ("behaviour_logp", "prox_logp", "advantages"))  # [b, r] mu, pi_k, A
                 weights = padded(micro, "sampler_weight").to(device) if args.sampler_is_cap is not None else None
                 pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights)
                 entropy = masked_mean(entropy, mask)
-                klc = kl_convex_loss(logp, ref, prox, lam, mask)
-                (policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta) * weight).backward()
-                terms = [pg_loss, entropy, klc, pg_stats["clipfrac"], masked_mean(k3_kl(logp, ref), mask),
-                         masked_mean(k3_kl(logp, prox), mask)]
+                terms = {"losses/policy_loss": pg_loss, "losses/entropy": entropy,
+                         "losses/clipfrac": pg_stats["clipfrac"], "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
+                klc = torch.zeros((), device=device)
+                if args.kl_beta:
+                    ref = padded(micro, "ref_logp").to(device)  # [b, r] pi_ref
+                    klc = kl_convex_loss(logp, ref, prox, lam, mask)
+                    terms.update({"losses/kl_convex": klc, "kl/ref": masked_mean(k3_kl(logp, ref), mask)})
+                backward_share(policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta), share)
                 if critic is not None:
                     values = critic_forward(critic, mb)  # [b, r]
                     value_loss = clipped_value_loss(values, padded(micro, "values").to(device),
                                                     padded(micro, "value_targets").to(device), mask, args.value_clip)
-                    (value_loss * weight).backward()
-                    terms.append(value_loss)
-                terms = torch.stack([t.detach().float().cpu() for t in terms])  # [names]
-                sums += torch.cat([terms * mask.sum().cpu(), (~torch.isfinite(terms).all()).float()[None]])
-            all_reduce(sums)
-            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), args.max_grad_norm) for m in models]
-            norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]  # global norms
-            if sums[-1] > 0 or not all(map(math.isfinite, norms)):  # skip the update; 3 in a row end the run
-                progress["bad_updates"] += 1
-                stats["train/skipped_updates"].append(1)
-                say(f"step {step}: non-finite loss or gradient, update skipped", stream=sys.stderr)
-                if progress["bad_updates"] >= 3:
-                    fail(f"3 non-finite updates in a row at step {step}; stopping. The last good checkpoint is the "
-                         f"newest checkpoint-* in {args.out}")
-                continue
-            progress["bad_updates"] = 0
-            for name, value in zip(names, (sums[:-1] / tokens).tolist()):
-                stats[name].append(value)
-            stats["losses/grad_norm"].append(norms[0])
-            for optim in filter(None, optimizers):
-                optim.step()
-            stats["train/optimizer_steps"].append(1)
+                    backward_share(value_loss, share)
+                    terms["losses/value_loss"] = value_loss
+                for name, term in terms.items():
+                    logged[name] += float(term.detach()) * float(share)
+            optimizer_step(models, optimizers, logged, args.max_grad_norm, stats, progress, step, args.out)
     for model, optim in zip(models, filter(None, optimizers)):
         optim.zero_grad(set_to_none=True)  # no gradients held through the push, generation and no-grad passes
         model.eval()
@@ -749,7 +742,8 @@ def update(batch: list[dict], policy, critic, optimizers, lam: float, utd: int, 
 def reincarnate(policy, reference, replay: collections.deque):
     """8. Policy reincarnation at T (Eq. 6): the reference takes pi_T's weights and the deque is emptied;
     stage() returns p = 0 and m = 1 from now on. Optimizers, critic and lambda(t) carry on."""
-    reference.load_state_dict(policy.state_dict())
+    if reference is not None:  # none without a KL term (--kl-beta 0)
+        reference.load_state_dict(policy.state_dict())
     replay.clear()
 
 
@@ -811,7 +805,7 @@ def train(args: Args, on_step=None) -> dict:
 
             # 1. sample (1-p)*B fresh responses from pi_k, and 2. score them
             prompts = [next(prompts_source) for _ in range(n_fresh)]
-            progress["data_position"] = prompts[-1][2]
+            progress["data_position"] = prompts[-1].position  # problems consumed, for --resume
             groups = sample(llm, policy, tokenizer, prompts, step, args, device)
             gen_seconds = time.perf_counter() - step_start
             fresh = [s for group in groups for s in group]
@@ -821,7 +815,7 @@ def train(args: Args, on_step=None) -> dict:
             # uniformly from the last N batches (each rank from its own deque), then pi_k and values on them
             trainer_start = time.perf_counter()
             behaviour_and_reference(fresh, policy, reference, args, device, work)
-            history = [s for g in draw_history(replay, (args.prompts_per_step - n_fresh) // world()) for s in g]
+            history = [s for g in draw_history(replay, per_rank(args.prompts_per_step - n_fresh)) for s in g]
             if mixing:
                 replay.append(groups)  # the deque stores fresh batches only and drops the oldest
             batch = fresh + history

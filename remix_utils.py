@@ -174,8 +174,11 @@ def read_json_rows(path: str) -> list[dict]:
     return rows
 
 
+Prompt = collections.namedtuple("Prompt", "ids answer position")  # position: problems consumed up to this one
+
+
 def prompt_stream(problems: list[tuple[str, str]], encode, max_prompt_tokens: int, seed: int, position: int = 0):
-    """(prompt ids, answer, position) from shuffled passes over the data, forever, starting at a position
+    """Prompt(ids, answer, position) from shuffled passes over the data, forever, starting at a position
     (problems consumed so far, kept for --resume). Prompts longer than the limit are skipped."""
     while True:
         epoch, offset = divmod(position, len(problems))
@@ -186,7 +189,7 @@ def prompt_stream(problems: list[tuple[str, str]], encode, max_prompt_tokens: in
             ids = encode(problems[index][0])
             if len(ids) <= max_prompt_tokens:
                 kept += 1
-                yield ids, problems[index][1], position
+                yield Prompt(ids, problems[index][1], position)
         if kept == 0 and offset == 0:
             fail(f"every prompt is longer than --max-prompt-tokens {max_prompt_tokens}")
 
@@ -364,12 +367,14 @@ class _Worker:
     def __init__(self, fn, warm, warm_args):
         folder, module, name = _importable(fn)
         here = os.path.dirname(os.path.abspath(__file__))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([folder, here, os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-c", "import remix_utils; remix_utils._worker_main()"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=os.getcwd())
+        # the function's own folder first, before the working directory: a fork run from a folder that holds
+        # another remix.py must grade with its own reward
+        start = f"import sys; sys.path[:0] = {[folder, here]!r}; import remix_utils; remix_utils._worker_main()"
+        self.proc = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.getcwd())
         self.write, self.read = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         _send(self.write, (module, name, warm.__name__ if warm else None, warm_args))
+        self.fn = (fn, warm)
         self.task, self.started, self.ready = None, 0.0, False
 
     def kill(self):
@@ -387,7 +392,10 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
     """[fn(*item) for item in items] in worker processes. A task still running `timeout` seconds after its
     turn came gets `on_timeout`, and its worker is killed (the only way to stop code stuck in C) and
     replaced. warm(*warm_args) runs in each new worker before it takes a task, so slow first imports never
-    count against a deadline. The workers are kept between calls; fn and warm are module-level functions."""
+    count against a deadline. The workers are kept between calls of the same fn (a worker runs the function it
+    was started with: another fn starts new ones); fn and warm are module-level functions."""
+    if _pool and _pool[0].fn != (fn, warm):
+        close_pool()
     while len(_pool) < workers:
         _pool.append(_Worker(fn, warm, warm_args))
     results, todo, done = [None] * len(items), list(range(len(items))), 0
@@ -484,6 +492,19 @@ def barrier():
         dist.barrier()
 
 
+def per_rank(n: int) -> int:
+    """Each rank's part of a global count (finalize_args checks that it divides)."""
+    return n // world()
+
+
+def prompt_shares(prompts: list, vllm_tp: int) -> tuple[list, list, int, int]:
+    """(this rank's prompts, its engine's prompts, the step index of the engine's first prompt, where this
+    rank's prompts start among the engine's). The ranks of one --vllm-tp engine generate its prompts together."""
+    share = per_rank(len(prompts))
+    first = rank() // vllm_tp * vllm_tp * share
+    return prompts[rank() * share :][:share], prompts[first : first + vllm_tp * share], first, rank() * share - first
+
+
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Sum (or max) over ranks, in place; the identity in one process. NCCL reduces on the GPU."""
     if dist.is_initialized():
@@ -519,6 +540,57 @@ def shard(model, device, compute_dtype: torch.dtype):
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=precision)
     return fully_shard(model, mp_policy=precision).to(device)  # .to: buffers that no call moved
+
+
+def mini_batches(batch: list[dict], size: int, seed: int, step: int, epoch: int) -> list[list[dict]]:
+    """One update pass's mini-batches of `size` responses, as one process would cut them: a random order of the
+    global batch, the same on every rank (seeded by the run's seed, the step and the pass), cut into pieces of
+    `size`, a trailing partial one included (Decision 13). Each rank gets the rows it holds of each piece."""
+    sizes = all_gather(len(batch))
+    offset, total = sum(sizes[: rank()]), sum(sizes)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + epoch)
+    order = torch.randperm(total, generator=generator).tolist()
+    return [[batch[i - offset] for i in order[start : start + size] if offset <= i < offset + len(batch)]
+            for start in range(0, total, size)]
+
+
+def backward_share(loss: torch.Tensor, share: torch.Tensor):
+    """Backward of one micro-batch's loss, weighted by its share of the mini-batch's mean. FSDP averages the
+    gradients over the ranks, and each rank's shares already sum to its part of the whole: undo the average."""
+    (loss * share.to(loss.device) * world()).backward()
+
+
+def join_collectives(logp: torch.Tensor, values: torch.Tensor | None):
+    """A rank whose share of a mini-batch is empty runs a stand-in micro-batch (collate fills it) with zero weight,
+    so that it joins the other ranks' FSDP gathers and gradient reductions."""
+    for out in (logp, values):
+        if out is not None:
+            (out.sum() * 0.0).backward()
+
+
+def optimizer_step(models, optimizers, logged: dict, max_grad_norm: float, stats: dict, progress: dict, step: int,
+                   out: str):
+    """The end of a mini-batch: the logged terms summed over the ranks, both models' gradients clipped to their
+    global norms, one step of each optimizer. A loss or gradient that is not finite skips the step instead (one
+    line on stderr, train/skipped_updates), and three skipped in a row stop the run."""
+    values = all_reduce(torch.tensor(list(logged.values()), dtype=torch.float64))
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), max_grad_norm) for m in models]
+    norms = [float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms]  # DTensor under FSDP2
+    if not torch.isfinite(values).all() or not all(map(math.isfinite, norms)):
+        progress["bad_updates"] += 1
+        stats["train/skipped_updates"].append(1)
+        say(f"step {step}: non-finite loss or gradient, update skipped", stream=sys.stderr)
+        if progress["bad_updates"] >= 3:
+            fail(f"3 non-finite updates in a row at step {step}; stopping. The last good checkpoint is the newest "
+                 f"checkpoint-* in {out}")
+        return
+    progress["bad_updates"] = 0
+    for name, value in zip(logged, values.tolist()):
+        stats[name].append(value)
+    stats["losses/grad_norm"].append(norms[0])
+    for optim in filter(None, optimizers):
+        optim.step()
+    stats["train/optimizer_steps"].append(1)
 
 
 MAX_PADDING = 0.1  # a micro-batch is at most 10% wider than its shortest sample: padding costs its full share
@@ -587,20 +659,69 @@ def unsharded(model):
 
 
 # ----------------------------------------------------------------------------------------------
+# Batches for the trainer, and transformers' generate as a sampler
+# ----------------------------------------------------------------------------------------------
+def collate(samples: list[dict], device) -> dict:
+    """Left-pad prompts and right-pad responses so response token j sits at column P + j in every row.
+    Padding is masked out, so its token id does not matter. An empty list gives a one-token stand-in.
+
+    Returns input_ids/attention_mask/position_ids [B, P + R], response_mask [B, R] and P.
+    """
+    samples = samples or [{"prompt_ids": [0], "response_ids": [0]}]
+    prompt_len = max(len(s["prompt_ids"]) for s in samples)
+    resp_len = max(len(s["response_ids"]) for s in samples)
+    rows, masks = [], []
+    for s in samples:
+        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+        rows.append([0] * (prompt_len - p) + s["prompt_ids"] + s["response_ids"] + [0] * (resp_len - r))
+        masks.append([0] * (prompt_len - p) + [1] * (p + r) + [0] * (resp_len - r))
+    input_ids = torch.tensor(rows, device=device)  # [B, P + R]
+    attention_mask = torch.tensor(masks, device=device)  # [B, P + R]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P + R] left padding shifts positions
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "response_mask": attention_mask[:, prompt_len:].bool(), "prompt_len": prompt_len}
+
+
+@torch.no_grad()
+def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, args, device):
+    """The sampler for machines without vLLM: remix.vllm_generate's contract with transformers' generate (no
+    top-k; temperature 0 is greedy; no sampler log-probs: the sampler is the trainer). It stops at any
+    end-of-sequence id of the model's generation config, as vLLM does."""
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
+        if args.temperature > 0 else dict(do_sample=False)
+    eos = policy.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos]) - {None} | {tokenizer.eos_token_id}
+    results = []
+    policy.eval()
+    with unsharded(policy):  # FSDP: whole weights while generating
+        for i in range(0, len(prompts), args.mini_batch_prompts):
+            batch = collate([{"prompt_ids": p, "response_ids": []} for p in prompts[i : i + args.mini_batch_prompts]],
+                            device)
+            batch["input_ids"][batch["attention_mask"] == 0] = tokenizer.pad_token_id
+            sequences = policy.generate(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_return_sequences=n,
+                max_new_tokens=args.max_response_tokens, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=sorted(stops), **sampling)  # [b * n, P + new]
+            for row in sequences[:, batch["prompt_len"]:].tolist():
+                end = next((j for j, token in enumerate(row) if token in stops), None)
+                results.append((row, "length", None) if end is None else (row[: end + 1], "stop", None))
+    return [results[k * n : (k + 1) * n] for k in range(len(prompts))]
+
+
+# ----------------------------------------------------------------------------------------------
 # Trainer passes at long lengths, and the vLLM engine beside them
 # ----------------------------------------------------------------------------------------------
 LOGPROB_CHUNK = 1024  # response tokens per slice of the output layer: a [1024, vocab] fp32 block is its peak
 
 
-def chunked_logprobs(hidden, weight, targets, temperature: float, chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
-    """log pi(a_t|s_t) and the entropy of pi(.|s_t) per token, [N, 2], from the last hidden states [N, H],
-    the output layer's weight [V, H] and the tokens [N], chunk tokens at a time. Each chunk is recomputed in
-    the backward pass (activation checkpointing), so the [N, V] logits and their log-softmax never exist
-    whole, neither in the forward pass nor in what autograd keeps."""
+def chunked_logprobs(hidden, weight, targets, per_token, chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """per_token(logits [c, V], tokens [c]) -> [c, 2] (remix.token_logprobs: log pi(a_t|s_t) and the entropy) for
+    every token, [N, 2], from the last hidden states [N, H], the output layer's weight [V, H] and the tokens [N],
+    chunk tokens at a time. The same numbers as per_token over the whole [N, V] logits; but each chunk is
+    recomputed in the backward pass (activation checkpointing), so those logits never exist whole, neither in
+    the forward pass nor in what autograd keeps."""
     def one(h, w, t):
-        log_probs = torch.log_softmax((h @ w.T).float() / temperature, dim=-1)  # [c, V]
-        entropy = -(log_probs.exp() * log_probs).sum(-1)  # [c]
-        return torch.stack([log_probs.gather(-1, t[:, None])[:, 0], entropy], dim=-1)  # [c, 2]
+        return per_token(h @ w.T, t)  # [c, V] logits -> [c, 2]
 
     grad = torch.is_grad_enabled()
     return torch.cat([torch.utils.checkpoint.checkpoint(one, hidden[i:i + chunk], weight, targets[i:i + chunk],
@@ -611,21 +732,21 @@ def chunked_logprobs(hidden, weight, targets, temperature: float, chunk: int = L
 def _logprob_head_forward(head, hidden):  # [B, R + 1, H]: position j predicts response token j
     if head.targets is None:
         return type(head).forward(head, hidden)
-    targets, temperature = head.targets  # [B, R]
+    targets, per_token = head.targets  # [B, R]
     batch, length = targets.shape
     weight = head.weight  # [V, H]
     if torch.is_autocast_enabled(hidden.device.type):  # cast once here: autocast's cache misses the chunks' w.T views
         weight = weight.to(torch.get_autocast_dtype(hidden.device.type))
-    out = chunked_logprobs(hidden[:, :-1].reshape(batch * length, -1), weight, targets.reshape(-1), temperature,
+    out = chunked_logprobs(hidden[:, :-1].reshape(batch * length, -1), weight, targets.reshape(-1), per_token,
                            LOGPROB_CHUNK)
     return out.view(batch, length, 2).clone()  # [B, R, 2], not a view: FSDP hooks the output for backward
 
 
 def use_logprob_head(model):
-    """While `targets` are set on it, the output layer returns (log-prob, entropy) per response token,
-    [B, R, 2], computed by chunked_logprobs, instead of [B, R, V] logits. The rest of the model's forward
-    (attention, FSDP's gathers, gradient checkpointing) runs unchanged; generate() sees plain logits.
-    A bound method, so a deep copy of the model gets its own."""
+    """While `targets` = (tokens [B, R], per_token) are set on it, the output layer returns per_token's
+    (log-prob, entropy) per response token, [B, R, 2], computed by chunked_logprobs, instead of [B, R, V]
+    logits. The rest of the model's forward (attention, FSDP's gathers, gradient checkpointing) runs unchanged;
+    generate() sees plain logits. A bound method, so a copy of the model gets its own."""
     head = model.get_output_embeddings()
     head.targets, head.forward = None, types.MethodType(_logprob_head_forward, head)
 
@@ -808,7 +929,8 @@ def step_metrics(step: int, fresh: list[dict], history: list[dict], grader, adv:
     n, mask = len(fresh), adv["mask"]
     log_ratio = adv["log_ratio"][n:][mask[n:]]  # [historical tokens] log(pi_k / mu)
     abs_adv = adv["advantages"].abs()
-    raw = {"reward": [s["reward"] for s in fresh], "length": [len(s["response_ids"]) for s in fresh],
+    raw = {"reward": [s["reward"] for s in fresh], "reward_parts": [s.get("reward_parts", {}) for s in fresh],
+           "length": [len(s["response_ids"]) for s in fresh],
            "truncated": [s["truncated"] for s in fresh], "reflects": [s["reflects"] for s in fresh],
            "group_std": [float(np.std([s["reward"] for s in fresh[i : i + group_size]], ddof=1))
                          for i in range(0, n, group_size)] if group_size > 1 else [],
@@ -854,6 +976,8 @@ def step_metrics(step: int, fresh: list[dict], history: list[dict], grader, adv:
         "perf/padding": 1.0 - tokens / max(slots, 1),
         "grader/failures": counts["error"] + counts["unparsable"] + counts["timeout"],
         "grader/no_boxed": counts["no_boxed"],
+        **{f"reward/{name}": mean([parts.get(name, 0.0) for parts in merged["reward_parts"]])
+           for name in sorted({name for parts in merged["reward_parts"] for name in parts})},
         **({"mismatch/abs_log_ratio_mean": gap_sum / gap_count, "mismatch/abs_log_ratio_max": max(merged["mismatch_max"]),
             "mismatch/k3_kl": k3_sum / gap_count, "mismatch/ratio_outside_0.5_2": outside / gap_count,
             "mismatch/is_weight_mean": weight_sum / gap_count} if gap_count else {}),

@@ -1,19 +1,31 @@
-"""Tests of remix.py: each formula against an independent reference (a naive loop, a hand-worked
-example, an exact expectation), and the whole loop end to end on a tiny offline Qwen2 model with
-real vLLM (CPU build), real math-verify and real transformers.
+"""Tests of remix.py's method, in the file's order: each formula against an independent reference (a naive loop,
+a hand-worked example, an exact expectation), and the training loop checked step by step against independent
+recomputation, on a tiny offline Qwen2 model with real transformers and math-verify. test_runs.py runs the whole
+program: the command line, crashes, several processes, vLLM, the GPU's numerics on the CPU and the forks.
 
-    pytest -q test_remix.py
+    pytest -q test_remix.py test_runs.py
+
+Where each piece of the paper is tested:
+    Sec. 7 reward, answer check              test_math_reward, test_grade_response_reports_status
+    log pi(a|s), entropy (token_logprobs)    test_chunked_logprobs_and_gradients_equal_the_plain_computation
+    Decision 3 aggregation                   test_logged_losses_are_the_optimised_token_means, test_token_budgets_...
+    Eq. 5 KL-Convex, lambda(t), k3           test_kl_convex_lambda*, test_k3_kl_*, test_kl_convex_loss_mixes_...
+    Sec. 3 V-trace (PPO)                     test_vtrace_matches_naive_double_loop, test_vtrace_three_tokens_by_hand
+    Sec. 3 GRPO advantage (Decision 4)       test_group_advantages_by_hand, test_grpo_advantage_survives_a_4000_...
+    Eq. 4 Mix-PPG                            test_mix_ppg_is_ppo_clip_on_fresh_samples, test_mix_ppg_clip_is_centred_...
+    Eq. 6 objective, UTD m, reincarnation    test_policy_objective_is_eq6, test_ppo_hf_batch_mix_and_utd,
+                                             test_grpo_reincarnation, test_more_update_passes_move_the_weights_further
+    replay deque, p and N                    test_draw_history_*, test_the_loop_replays_exactly_what_draw_history_drew_...
+    behaviour log-probs (Decision 1), pi_k   test_spied_steps_match_independent_recomputation
+    per-request seeds, sampler correction    test_request_seeds_*, test_sampler_is_weight_by_hand
 """
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
-import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,15 +37,198 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
 import remix_utils  # noqa: E402
-from tiny_model import build_tiny_model, write_short_problems  # noqa: E402
+from tiny_model import build_tiny_model  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-DATA = Path(os.environ.get("REMIX_DATA", HERE.parent / "shared" / "data"))
-TRAIN = DATA / "train" / "deepscaler_partial.jsonl"
 
 
 # ----------------------------------------------------------------------------------------------
-# Eq. 5: the KL-Convex schedule and the k3 estimator
+# Shared: paths, the tiny model's run settings, whole weights of sharded models
+# ----------------------------------------------------------------------------------------------
+HERE = Path(__file__).resolve().parent
+
+
+DATA = Path(os.environ.get("REMIX_DATA", HERE.parent / "shared" / "data"))
+
+
+TRAIN = DATA / "train" / "deepscaler_partial.jsonl"
+
+
+def tiny_args(model, data, out, **overrides) -> remix.Args:
+    base = dict(model=model, dataset=data, out=str(out), steps=3, prompts_per_step=10, max_response_tokens=24,
+                mini_batch_prompts=4, sampler="hf", save_every=0, seed=3)
+    base.update(overrides)
+    return remix.Args(**base)
+
+
+def read_metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+
+
+def full_state(model) -> dict:
+    """A model's state dict with whole tensors (every run's models are FSDP2-sharded, one process too)."""
+    return dict(remix_utils.full_tensors(model))
+
+
+def plain_copy(model):
+    """An unsharded copy of a model with its current weights, for reference computations (FSDP2 modules cannot
+    be deep-copied). None stays None."""
+    if model is None:
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    copy = cls(model.config).eval()
+    copy.load_state_dict(full_state(model))
+    return copy
+
+
+def wait_into_step_3(proc, out, seconds: float):
+    """Wait (up to 300 s) until a running job has finished writing checkpoint-2, then seconds more, into step 3."""
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    time.sleep(seconds)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sec. 7, the reward: answer verification (the answer check) and the training reward
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("response, answer, expected", [
+    ("so the answer is \\boxed{204}.", "204", 1.0),
+    ("so the answer is \\boxed{205}.", "204", 0.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),  # nested braces, equivalent forms
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),
+    ("first \\boxed{3}, then \\boxed{4}", "4", 1.0),  # the last box wins
+    ("first \\boxed{4}, then \\boxed{3}", "4", 0.0),
+    ("<think>maybe \\boxed{7}</think> final: \\boxed{8}", "8", 1.0),  # after </think>
+    ("<think>it is \\boxed{8}</think> so the answer is 9", "8", 0.0),  # boxed only inside the thought
+    ("no box here: 204", "204", 0.0),
+    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
+    ("unbalanced \\boxed{\\frac{1}{2}", "0.5", 0.0),
+])
+def test_math_reward(response, answer, expected):
+    assert remix.math_reward(response, answer) == expected
+
+
+def test_unbalanced_boxes_empty_answers_and_grader_errors_score_zero(monkeypatch):
+    assert remix.last_boxed("so \\boxed{\\frac{1}{2}") is None  # unbalanced: no answer
+    assert remix.grade_response("\\boxed{}", "1") == (0.0, "unparsable")
+
+    def broken(expression):
+        raise RuntimeError("math-verify failed")
+
+    monkeypatch.setattr(remix, "parse_boxed", broken)
+    assert remix.grade_response("\\boxed{1}", "1") == (0.0, "error")  # counted as a grader failure, never raised
+
+
+def test_grade_response_reports_status():
+    assert remix.grade_response("\\boxed{1}", "1") == (1.0, "ok")
+    assert remix.grade_response("nothing", "1") == (0.0, "no_boxed")
+    assert remix.last_boxed("a \\boxed{x^{2}} b") == "x^{2}"
+
+
+# ----------------------------------------------------------------------------------------------
+# log pi(a_t|s_t) and the entropy: token_logprobs, computed in chunks of the output layer
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [1, 5, 7, 64])
+def test_chunked_logprobs_and_gradients_equal_the_plain_computation(chunk):
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)  # 23 tokens: ragged against every chunk size
+    weight = torch.randn(300, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 300, (23,), generator=g)
+    upstream = torch.randn(23, 2, generator=g)  # d loss / d (log-prob, entropy)
+    out = remix_utils.chunked_logprobs(hidden, weight, targets, functools.partial(remix.token_logprobs,
+                                                                                  temperature=0.8), chunk=chunk)
+    (out * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    log_probs = torch.log_softmax(hidden @ weight.T / 0.8, -1)  # [23, 300], whole
+    plain = torch.stack([log_probs.gather(-1, targets[:, None])[:, 0], -(log_probs.exp() * log_probs).sum(-1)], -1)
+    (plain * upstream).sum().backward()
+    torch.testing.assert_close(out, plain, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=0, atol=1e-5)
+
+
+class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts dtype casts of tensors of one shape or its transpose (the output layer's weight)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.casts = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in (self.shape, self.shape[::-1]):
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_output_layer_is_cast_once_per_forward_under_autocast(tiny_model, monkeypatch):
+    """A caller's bf16 autocast over fp32 weights: one cast of the [V, H] weight for five chunks, forward and
+    recompute (autocast's cache misses the chunks' w.T views: it used to cast ten times, and ten gradients back)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(remix_utils, "LOGPROB_CHUNK", 8)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
+    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": list(range(10, 50))}], "cpu")  # 5 chunks of 8
+    counter = CastCounter(policy.get_output_embeddings().weight.shape)
+    with counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, entropy = remix.policy_forward(policy, mb, 1.0)
+        forward_casts = counter.casts
+        (logp.sum() + entropy.sum()).backward()
+    assert forward_casts == 1 and counter.casts == 2  # and the one cast's gradient back to fp32
+    plain = remix.policy_forward(policy, mb, 1.0)[0]  # and the chunks compute what one piece does, in bf16
+    assert (logp.float() - plain).abs().max().item() < 0.1
+
+
+# ----------------------------------------------------------------------------------------------
+# Decision 3, the loss aggregation: one place, the same mean however a mini-batch is split
+# ----------------------------------------------------------------------------------------------
+def test_pure_functions_take_float_masks():
+    g = torch.Generator().manual_seed(1)
+    x, y, z, w = (torch.randn(3, 5, generator=g) for _ in range(4))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    calls = [lambda m: remix.masked_mean(x, m), lambda m: remix.kl_convex_loss(x, y, z, 0.7, m),
+             lambda m: remix.truncated_trace(x, y, m), lambda m: remix.vtrace_advantages(x, y, z.abs(), m, 0.9, 0.8)[0],
+             lambda m: remix.vtrace_advantages(x, y, z.abs(), m)[1], lambda m: remix.whiten(x, m),
+             lambda m: remix.mix_ppg_loss(x, y, z, w, m)[0], lambda m: remix.mix_ppg_loss(x, y, z, w, m)[1]["clipfrac"],
+             lambda m: remix.clipped_value_loss(x, y, z, m), lambda m: remix.grpo_token_advantages(x[:, 0], z.abs(), m),
+             lambda m: remix.grpo_token_advantages(x[:, 0], z.abs(), m, product=True)]
+    for call in calls:
+        torch.testing.assert_close(call(mask.float()), call(mask), rtol=0, atol=0)
+
+
+def test_logged_losses_are_the_optimised_token_means(tiny_model, train_file, tmp_path, monkeypatch):
+    """One mini-batch holding the whole batch, split into micro-batches of one response or all of them:
+    the logged losses equal the token mean over the mini-batch computed in one piece."""
+    captured = {}
+    real = remix.update
+
+    def spy(batch, policy, *rest, **kw):
+        captured["batch"], captured["policy"] = [dict(s) for s in batch], plain_copy(policy)
+        return real(batch, policy, *rest, **kw)
+
+    monkeypatch.setattr(remix, "update", spy)
+    rows = {}
+    for budget in (1, 100_000):
+        remix.train(tiny_args(tiny_model, train_file, tmp_path / str(budget), algo="grpo", steps=1, group_size=2,
+                              prompts_per_step=5, mini_batch_prompts=8, utd=1, max_tokens_per_micro_batch=budget))
+        rows[budget] = read_metrics(tmp_path / str(budget))[0]
+    batch, policy = captured["batch"], captured["policy"]
+    mb = remix.collate(batch, "cpu")
+    mask = mb["response_mask"]
+    logp, entropy = remix.policy_forward(policy, mb, 1.0)
+    adv, behaviour = remix.padded(batch, "advantages"), remix.padded(batch, "behaviour_logp")
+    pg, _ = remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask)
+    for budget in rows:
+        assert rows[budget]["losses/policy_loss"] == pytest.approx(pg.item(), rel=1e-4, abs=1e-7)
+        assert rows[budget]["losses/entropy"] == pytest.approx(remix.masked_mean(entropy, mask).item(), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Eq. 5, KL-Convex: the lambda(t) schedule, the k3 estimator, the mixed anchors
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("t, expected", [(1, 1.0), (50, 1.0), (51, 0.9), (60, 0.9), (61, 0.8),
                                          (90, 0.6), (91, 0.5), (500, 0.5)])
@@ -71,7 +266,7 @@ def test_kl_convex_loss_mixes_the_two_anchors():
 
 
 # ----------------------------------------------------------------------------------------------
-# Section 3: V-trace advantages
+# Sec. 3, V-trace advantages for PPO: truncated traces, the recursion, value targets, whitening
 # ----------------------------------------------------------------------------------------------
 def naive_vtrace(rewards, values, trace_c, lengths, gamma, lam):
     """A_t as an explicit sum: sum_{j>=t} (gamma lam)^(j-t) (prod_{i=t+1..j} c_i) delta_j."""
@@ -148,8 +343,26 @@ def test_truncated_trace():
     assert c[0, 0].item() == pytest.approx(math.exp(-1.0))
 
 
+@pytest.mark.parametrize("c_bar", [0.5, 2.0])
+def test_truncated_trace_with_other_c_bars(c_bar):
+    prox = torch.tensor([[0.0, math.log(1.5), math.log(3.0), math.log(0.2)]])
+    behaviour = torch.zeros(1, 4)
+    c = remix.truncated_trace(prox, behaviour, torch.ones(1, 4, dtype=torch.bool), c_bar)
+    torch.testing.assert_close(c, torch.tensor([[min(c_bar, 1.0), min(c_bar, 1.5), min(c_bar, 3.0), 0.2]]))
+
+
+def test_whiten():
+    x = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    w = remix.whiten(x, mask)
+    vals = w[mask]
+    assert vals.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert (vals ** 2).mean().item() == pytest.approx(1.0, rel=1e-4)
+    assert w[~mask].abs().sum() == 0
+
+
 # ----------------------------------------------------------------------------------------------
-# Section 3: GRPO group advantages and their V-trace product form
+# Sec. 3, GRPO: the group advantage, plain on every token or in V-trace product form (Decision 4)
 # ----------------------------------------------------------------------------------------------
 def test_group_advantages_by_hand():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
@@ -180,8 +393,35 @@ def test_grpo_vtrace_product_form():
             assert adv[b, t].item() == pytest.approx(product * a_hat[b].item(), rel=1e-12)
 
 
+def long_grpo_batch(length=4000, sigma=0.02, seed=0):
+    """One group of two: a right 4,000-token response whose per-token log(pi_k/mu) ~ N(0, sigma^2), and a
+    wrong 5-token one."""
+    g = torch.Generator().manual_seed(seed)
+    behaviour = -3.0 * torch.rand(length, generator=g)
+    samples = [{"response_ids": [0] * length, "behaviour_logp": behaviour,
+                "prox_logp": behaviour + sigma * torch.randn(length, generator=g), "reward": 1.0, "group": 1},
+               {"response_ids": [0] * 5, "behaviour_logp": torch.zeros(5), "prox_logp": torch.zeros(5),
+                "reward": 0.0, "group": 1}]
+    return samples, 0.5 / (math.sqrt(0.5) + 1e-6)  # A_hat of the right one: (1 - 0.5) / (unbiased std + 1e-6)
+
+
+def test_grpo_advantage_survives_a_4000_token_response_by_default():
+    batch, a_hat = long_grpo_batch()
+    remix.compute_advantages(batch, remix.Args(algo="grpo"))
+    assert torch.equal(batch[0]["advantages"], torch.full((4000,), a_hat, dtype=torch.float32))  # exactly A_hat
+    assert torch.equal(batch[1]["advantages"], torch.full((5,), -a_hat, dtype=torch.float32))
+
+
+def test_grpo_vtrace_product_vanishes_on_a_4000_token_response():
+    batch, a_hat = long_grpo_batch()
+    remix.compute_advantages(batch, remix.Args(algo="grpo", grpo_vtrace=True))
+    adv = batch[0]["advantages"]
+    assert abs(adv[0].item()) < 1e-3 * a_hat  # expected e^(-4000 * 0.02 / sqrt(2 pi)) = 1e-14
+    assert adv[-1].item() == pytest.approx(a_hat)  # the last token keeps A_hat
+
+
 # ----------------------------------------------------------------------------------------------
-# Eq. 4: Mix-PPG
+# Eq. 4, Mix-PPG: the ratio against mu, the clip centred at pi_k/mu, clipfrac; the critic's clipped loss
 # ----------------------------------------------------------------------------------------------
 def test_mix_ppg_is_ppo_clip_on_fresh_samples():
     g = torch.Generator().manual_seed(0)
@@ -222,6 +462,47 @@ def test_mix_ppg_clip_is_centred_at_prox_over_behaviour():
     assert grad_of_mix_ppg(ratio=0.2, centre=0.5, advantage=1.0) == pytest.approx(-0.2)
 
 
+def test_clip_centre_is_a_constant():
+    behaviour = torch.tensor([[-1.0, -2.0]])
+    prox = torch.tensor([[-1.2, -1.5]], requires_grad=True)
+    logp = torch.tensor([[-0.5, -2.5]], requires_grad=True)
+    loss, _ = remix.mix_ppg_loss(logp, behaviour, prox, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool))
+    loss.backward()
+    assert prox.grad is None and logp.grad is not None
+
+
+def test_clipfrac_counts_only_tokens_where_the_clip_changes_the_objective():
+    # c = 1 (fresh): (r, A) = (1.3, +1) clipped; (1.3, -1) not (the min keeps r A); (0.7, -1) clipped;
+    # (0.7, +1) not; (1.1, +1) inside the interval
+    ratio = torch.tensor([[1.3, 1.3, 0.7, 0.7, 1.1]])
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0]])
+    _, stats = remix.mix_ppg_loss(ratio.log(), torch.zeros(1, 5), torch.zeros(1, 5), adv, torch.ones(1, 5, dtype=torch.bool))
+    assert stats["clipfrac"].item() == pytest.approx(2 / 5)
+
+
+def test_clipfrac_is_measured_around_the_centre():
+    # c = pi_k / mu = 0.5: r = 0.8 with A > 0 is clipped (above 0.7), r = 1.05 with A > 0 too; r = 0.6 is inside
+    behaviour = torch.zeros(1, 3)
+    prox = torch.full((1, 3), math.log(0.5))
+    logp = torch.log(torch.tensor([[0.8, 1.05, 0.6]]))
+    _, stats = remix.mix_ppg_loss(logp, behaviour, prox, torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool))
+    assert stats["clipfrac"].item() == pytest.approx(2 / 3)
+
+
+def test_weights_scale_each_token_of_mix_ppg():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    behaviour = logp - torch.tensor([[0.1, -0.1, 0.0]])
+    adv, mask = torch.tensor([[1.0, -2.0, 0.5]]), torch.ones(1, 3)
+    weights = torch.tensor([[0.5, 2.0, 1.0]])
+    ratio = torch.exp(logp - behaviour)
+    # no clipping at eps = 0.5 here: min(r A, clip(r) A) = r A, token mean of -w r A
+    expected = -(weights * ratio * adv).mean()
+    loss, _ = remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask, 0.5, weights)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask, 0.5)[0].item() == \
+        pytest.approx(-(ratio * adv).mean().item(), rel=1e-6)
+
+
 def test_clipped_value_loss_by_hand():
     v, old, target = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[2.0, 0.4]])
     mask = torch.tensor([[True, True]])
@@ -229,110 +510,12 @@ def test_clipped_value_loss_by_hand():
     assert remix.clipped_value_loss(v, old, target, mask, 0.5).item() == pytest.approx(0.5 * (2.25 + 0.16) / 2)
 
 
-def test_whiten():
-    x = torch.tensor([[1.0, 2.0, 9.0], [3.0, 0.0, 0.0]])
-    mask = torch.tensor([[True, True, False], [True, False, False]])
-    w = remix.whiten(x, mask)
-    vals = w[mask]
-    assert vals.mean().item() == pytest.approx(0.0, abs=1e-6)
-    assert (vals ** 2).mean().item() == pytest.approx(1.0, rel=1e-4)
-    assert w[~mask].abs().sum() == 0
-
-
 # ----------------------------------------------------------------------------------------------
-# Section 7: reward
+# Eq. 6, the objective; the update-to-data passes; policy reincarnation at T
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("response, answer, expected", [
-    ("so the answer is \\boxed{204}.", "204", 1.0),
-    ("so the answer is \\boxed{205}.", "204", 0.0),
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),  # nested braces, equivalent forms
-    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}", 1.0),
-    ("first \\boxed{3}, then \\boxed{4}", "4", 1.0),  # the last box wins
-    ("first \\boxed{4}, then \\boxed{3}", "4", 0.0),
-    ("<think>maybe \\boxed{7}</think> final: \\boxed{8}", "8", 1.0),  # after </think>
-    ("<think>it is \\boxed{8}</think> so the answer is 9", "8", 0.0),  # boxed only inside the thought
-    ("no box here: 204", "204", 0.0),
-    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
-    ("unbalanced \\boxed{\\frac{1}{2}", "0.5", 0.0),
-])
-def test_math_reward(response, answer, expected):
-    assert remix.math_reward(response, answer) == expected
-
-
-def test_grade_response_reports_status():
-    assert remix.grade_response("\\boxed{1}", "1") == (1.0, "ok")
-    assert remix.grade_response("nothing", "1") == (0.0, "no_boxed")
-    assert remix.last_boxed("a \\boxed{x^{2}} b") == "x^{2}"
-
-
-# ----------------------------------------------------------------------------------------------
-# The replay deque
-# ----------------------------------------------------------------------------------------------
-def test_draw_history_takes_whole_groups_from_the_window():
-    replay = collections.deque(maxlen=2)
-    for step in (1, 2, 3):
-        replay.append([[{"version": step, "group": 10 * step + g, "i": i} for i in range(4)] for g in range(3)])
-    assert [batch[0][0]["version"] for batch in replay] == [2, 3]  # step 1 evicted
-    drawn = remix.draw_history(replay, 4)
-    assert len(drawn) == 4 and len({id(g) for g in drawn}) == 4  # without replacement
-    for group in drawn:
-        assert [s["i"] for s in group] == [0, 1, 2, 3] and len({s["group"] for s in group}) == 1
-        assert group[0]["version"] in (2, 3)
-    assert len(remix.draw_history(replay, 50)) == 6
-    assert remix.draw_history(collections.deque(maxlen=2), 3) == []
-
-
-# ----------------------------------------------------------------------------------------------
-# End to end on a tiny offline Qwen2 model
-# ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "qwen2"))
-
-
-@pytest.fixture(scope="session")
-def train_file(tmp_path_factory):
-    """Short problems from the shared DeepScaleR part keep the byte-level prompts small."""
-    assert TRAIN.exists(), f"training data not found at {TRAIN}; set REMIX_DATA to shared/data"
-    return write_short_problems(TRAIN, tmp_path_factory.mktemp("data") / "train.jsonl", max_chars=120, limit=64)
-
-
-def tiny_args(model, data, out, **overrides) -> remix.Args:
-    base = dict(model=model, dataset=data, out=str(out), steps=3, prompts_per_step=10, max_response_tokens=24,
-                mini_batch_prompts=4, sampler="hf", save_every=0, seed=3)
-    base.update(overrides)
-    return remix.Args(**base)
-
-
-def wait_into_step_3(proc, out, seconds: float):
-    """Wait (up to 300 s) until a running job has finished writing checkpoint-2, then seconds more, into step 3."""
-    deadline = time.time() + 300
-    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
-    time.sleep(seconds)
-
-
-def full_state(model) -> dict:
-    """A model's state dict with whole tensors (every run's models are FSDP2-sharded, one process too)."""
-    return dict(remix_utils.full_tensors(model))
-
-
-def plain_copy(model):
-    """An unsharded copy of a model with its current weights, for reference computations (FSDP2 modules cannot
-    be deep-copied). None stays None."""
-    if model is None:
-        return None
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-    copy = cls(model.config).eval()
-    copy.load_state_dict(full_state(model))
-    return copy
-
-
-def read_metrics(out) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+def test_policy_objective_is_eq6():
+    assert remix.policy_objective(torch.tensor(0.3), torch.tensor(2.0), torch.tensor(0.5), 0.01, 0.1).item() == \
+        pytest.approx(0.3 - 0.01 * 2.0 + 0.1 * 0.5)
 
 
 def test_ppo_hf_batch_mix_and_utd(tiny_model, train_file, tmp_path):
@@ -374,313 +557,110 @@ def test_grpo_reincarnation(tiny_model, train_file, tmp_path):
     assert any(not torch.equal(ref[k], base[k]) for k in base)
 
 
-@pytest.mark.slow
-def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
-    """Real vLLM: every step logged, the pushed weights are the trainer's, checkpoints reload."""
-    from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    out = tmp_path / "ppo"
-    state = remix.train(tiny_args(tiny_model, train_file, out, algo="ppo", sampler="vllm", actor_lr=1e-3))
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["perf/weight_sync_s"] > 0 for r in rows)
-    llm, policy, tokenizer = state["llm"], state["policy"], state["tokenizer"]
-    prompt = remix.build_prompt(tokenizer, "What is 1+1?")
-
-    def engine_vs(model, engine):
-        gen = engine.generate([TokensPrompt(prompt_token_ids=prompt)],
-                              SamplingParams(n=4, temperature=1.0, max_tokens=24, logprobs=0, seed=0), use_tqdm=False)
-        diffs = []
-        for c in gen[0].outputs:
-            sample = {"prompt_ids": prompt, "response_ids": list(c.token_ids)}
-            mine, _ = remix.policy_forward(model, remix.collate([sample], "cpu"), 1.0)
-            theirs = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
-            diffs.append((mine[0].detach() - theirs).abs().max().item())
-        return max(diffs)
-
-    with torch.no_grad():
-        assert engine_vs(policy, llm) < 1e-4  # after the last push the engine is the trainer
-        base = AutoModelForCausalLM.from_pretrained(tiny_model)
-        assert engine_vs(base, llm) > 1e-3  # and it is not the base model any more
-    # the checkpoint reloads in transformers (same logits) and in vLLM (same log-probs)
-    ckpt = out / "checkpoint-3"
-    reloaded = AutoModelForCausalLM.from_pretrained(str(ckpt))
-    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), full_state(policy).values()))
-    assert (ckpt / "critic" / "config.json").exists()
-    del state, llm
-    engine = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
-    with torch.no_grad():
-        assert engine_vs(reloaded, engine) < 1e-4
-    del engine
-
-    out = tmp_path / "grpo"
-    remix.train(tiny_args(tiny_model, train_file, out, algo="grpo", sampler="vllm", prompts_per_step=4, group_size=4))
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(8, 0), (8, 8), (8, 8)]
-
-
-@pytest.mark.slow
-def test_cli_runs_and_rejects_bad_flags(tiny_model, train_file, tmp_path):
-    cmd = [sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
-           "--out", str(tmp_path / "cli"), "--steps", "1", "--prompts-per-step", "4", "--max-response-tokens", "8",
-           "--sampler", "hf"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert len(read_metrics(tmp_path / "cli")) == 1
-    bad = subprocess.run(cmd[:-2] + ["--off-policy-p", "1.5"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "--off-policy-p must be in [0, 1)" in bad.stderr
-    assert "Traceback" not in bad.stderr
+def test_on_policy_means_no_replay_no_extra_passes_no_switch_and_kl_to_the_base(tiny_model, train_file, tmp_path):
+    args = remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, on_policy=True))
+    assert (args.off_policy_p, args.utd, args.reincarnation, args.kl_convex) == (0.0, 1, False, False)
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, on_policy=True, steps=2, kl_convex_start=0,
+                          kl_convex_every=1))
+    rows = read_metrics(tmp_path)
+    assert [(r["batch/historical"], r["train/utd"], r["kl_convex/lambda"], r["phase"]) for r in rows] == \
+        [(0, 1, 1.0, "mix"), (0, 1, 1.0, "mix")]
 
 
 # ----------------------------------------------------------------------------------------------
-# Crashes and bad input
+# The replay deque: whole groups drawn uniformly from the last N batches, as the loop draws them
 # ----------------------------------------------------------------------------------------------
-def cli(model, data, out, *extra, sampler="hf") -> list[str]:
-    return [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out),
-            "--sampler", sampler, "--algo", "ppo", "--steps", "6", "--prompts-per-step", "10", "--max-response-tokens",
-            "24", "--mini-batch-prompts", "4", "--save-every", "2", "--keep-last", "2",
-            "--seed", "5", *extra]
+def test_draw_history_takes_whole_groups_from_the_window():
+    replay = collections.deque(maxlen=2)
+    for step in (1, 2, 3):
+        replay.append([[{"version": step, "group": 10 * step + g, "i": i} for i in range(4)] for g in range(3)])
+    assert [batch[0][0]["version"] for batch in replay] == [2, 3]  # step 1 evicted
+    drawn = remix.draw_history(replay, 4)
+    assert len(drawn) == 4 and len({id(g) for g in drawn}) == 4  # without replacement
+    for group in drawn:
+        assert [s["i"] for s in group] == [0, 1, 2, 3] and len({s["group"] for s in group}) == 1
+        assert group[0]["version"] in (2, 3)
+    assert len(remix.draw_history(replay, 50)) == 6
+    assert remix.draw_history(collections.deque(maxlen=2), 3) == []
 
 
-def comparable(row: dict) -> dict:
-    """Everything but wall-clock timings; floats to 1e-4 relative (1e-7 absolute): a resumed process computes
-    on freshly loaded tensors, whose memory layout can change the CPU kernels' summation order, a drift of
-    about 1e-7 in the log-probs that the KL terms (about 1e-5) show most."""
-    return {k: pytest.approx(v, rel=1e-4, abs=1e-7) if isinstance(v, float) else v for k, v in row.items()
-            if not k.startswith("perf/")}
+def test_draw_history_is_uniform_over_the_window():
+    import random as stdlib_random
+
+    replay = collections.deque(maxlen=2)
+    for step in (1, 2, 3):
+        replay.append([[{"version": step, "group": 10 * step + g}] for g in range(4)])
+    counts = collections.Counter()
+    stdlib_random.seed(0)
+    for _ in range(4000):
+        counts.update(g[0]["group"] for g in remix.draw_history(replay, 2))
+    assert set(counts) == {20, 21, 22, 23, 30, 31, 32, 33}  # the oldest batch was evicted
+    expected = 4000 * 2 / 8  # each of the 8 groups is drawn with probability 2/8
+    assert all(abs(n - expected) < 5 * math.sqrt(expected) for n in counts.values()), counts
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sampler", ["hf", "vllm"])
-def test_resume_after_sigkill_matches_an_uninterrupted_run(sampler, tiny_model, train_file, tmp_path):
-    """vLLM too: every request's seed is a function of (seed, step, prompt), so a new engine resamples the same."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    subprocess.run(cli(tiny_model, train_file, tmp_path / "straight", sampler=sampler), check=True, env=env,
-                   capture_output=True, timeout=600)
-    out = tmp_path / "killed"
-    proc = subprocess.Popen(cli(tiny_model, train_file, out, sampler=sampler), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    wait_into_step_3(proc, out, 0.4)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (out / "checkpoint-6").exists(), "the run finished before it was killed"
-    done = subprocess.run([sys.executable, str(HERE / "remix.py"), "--resume", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resuming" in done.stdout
-    resumed, straight = read_metrics(out), read_metrics(tmp_path / "straight")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # every step once
-    # the deque, optimizer, RNG and data position were restored: the same numbers as without the crash
-    assert [comparable(r) for r in straight] == [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in resumed]
-    assert resumed[2]["batch/historical"] == 4 and resumed[2]["replay/deque_size"] == 2
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # --keep-last 2
-    assert not list(out.glob(".tmp-*"))
+def test_the_loop_replays_exactly_what_draw_history_drew_from_the_whole_window(tiny_model, train_file, tmp_path,
+                                                                                monkeypatch):
+    """The draw as the loop uses it: every historical sample of a step is one draw_history returned for that
+    step, drawn from all N stored batches (so both ages occur), before the step's own groups were stored."""
+    drawn, real = {}, remix.draw_history
+
+    def spy(replay, n_groups):
+        groups = real(replay, n_groups)
+        drawn[len(drawn) + 1] = ([batch[0][0]["version"] for batch in replay], [id(s) for g in groups for s in g])
+        return groups
+
+    monkeypatch.setattr(remix, "draw_history", spy)
+    ages = collections.Counter()
+
+    def on_step(step, record, policy, tokenizer, batch):
+        versions, ids = drawn[step]
+        assert versions == list(range(max(1, step - 2), step))  # the last N = 2 batches, not this step's
+        assert [id(s) for s in batch if s["version"] < step] == ids
+        ages.update(step - s["version"] for s in batch if s["version"] < step)
+
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="ppo", steps=6, utd=1, window=2), on_step=on_step)
+    assert set(ages) == {1, 2}
 
 
-def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
-    (tmp_path / "empty").mkdir()
+# ----------------------------------------------------------------------------------------------
+# The sampler: per-request seeds (Decision 19), the sampler-trainer gap and its correction (Decision 18)
+# ----------------------------------------------------------------------------------------------
+def test_request_seeds_depend_only_on_seed_step_and_prompt_and_never_overlap():
+    seeds = {(seed, step, i): remix_utils.request_seed(seed, step, i, 8)
+             for seed in (1, 2) for step in (1, 2, 3) for i in range(200)}
+    assert all(value % 8 == 0 and 0 <= value < 2**62 for value in seeds.values())  # children seed + 0..7
+    children = [value + j for value in seeds.values() for j in range(8)]
+    assert len(set(children)) == len(children)  # no two responses of the run share a seed
+    assert remix_utils.request_seed(1, 2, 3, 8) == seeds[(1, 2, 3)]  # a function of its arguments alone
+
+
+def test_sampler_is_weight_by_hand():
+    trainer = torch.tensor([-1.0, -0.2, -3.0])
+    sampler = torch.tensor([-1.5, -1.5, -2.0])
+    # e^0.5 = 1.6487 under the cap; e^1.3 = 3.669 cut to 2; e^-1 = 0.3679 kept
+    expected = torch.tensor([math.exp(0.5), 2.0, math.exp(-1.0)])
+    torch.testing.assert_close(remix.sampler_is_weight(trainer, sampler, 2.0), expected)
+
+
+def test_sampler_mismatch_sums_by_hand():
+    fresh = [{"behaviour_logp": torch.tensor([-1.0, -2.0]), "sampler_logp": torch.tensor([-1.0, -1.0])},
+             {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": torch.tensor([-1.5]),
+              "sampler_weight": torch.tensor([2.0])},
+             {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": None}]  # the hf sampler: nothing to compare
+    gaps = [0.0, -1.0, 1.0]  # log pi_trainer - log pi_sampler on the three vLLM tokens
+    abs_sum, k3_sum, outside, weight_sum, count, largest = remix_utils.sampler_mismatch(fresh)
+    assert abs_sum == pytest.approx(2.0) and largest == pytest.approx(1.0) and count == 3
+    assert k3_sum == pytest.approx(sum(math.exp(g) - 1 - g for g in gaps))
+    assert outside == 2  # e^-1 = 0.37 and e^1 = 2.72 leave [0.5, 2]
+    assert weight_sum == pytest.approx(1.0 + 1.0 + 2.0)  # weight 1 where no correction is stored
+
+
+def test_sampler_correction_needs_vllm(tiny_model, train_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        remix.train(remix.Args(resume=str(tmp_path / "empty")))
+        remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, sampler="hf", sampler_is_cap=2.0))
     assert exit_info.value.code == 2
-    assert "holds no complete checkpoint" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("case, overrides, message", [
-    ("model", {"model": "/no/such/model"}, "model folder '/no/such/model' does not exist"),
-    ("p", {"off_policy_p": 1.0}, "--off-policy-p must be in [0, 1), got 1.0"),
-    ("p-negative", {"off_policy_p": -0.1}, "--off-policy-p must be in [0, 1), got -0.1"),
-    ("window", {"window": 0}, "--window must be at least 1, got 0"),
-    ("utd", {"utd": 0}, "--utd must be at least 1, got 0"),
-    ("reincarnate", {"reincarnate_step": -1}, "--reincarnate-step must be >= 0, got -1"),
-    ("groups", {"prompts_per_step": 1, "off_policy_p": 0.4}, "cannot split into whole fresh and historical groups"),
-    ("max-response", {"max_response_tokens": 0}, "--max-response-tokens must be at least 1, got 0"),
-    ("grpo-group", {"algo": "grpo", "group_size": 1}, "--algo grpo needs --group-size >= 2"),
-    ("temperature", {"temperature": 0.0}, "--temperature must be > 0 in training"),
-    ("tp", {"vllm_tp": 2}, "--vllm-tp 2 must divide the 1 processes"),
-])
-def test_bad_flags_get_one_clear_line(tiny_model, train_file, tmp_path, capsys, case, overrides, message):
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit) as exit_info:
-        remix.train(tiny_args(overrides.pop("model", tiny_model), train_file, out, **overrides))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("remix: error: ") and message in err[0]
-    assert not out.exists()  # nothing written
-
-
-@pytest.mark.parametrize("case", ["missing", "empty", "columns", "broken"])
-def test_bad_dataset_gets_one_clear_line(tiny_model, tmp_path, capsys, case):
-    path = tmp_path / "data.jsonl"
-    if case == "empty":
-        path.write_text("")
-    elif case == "columns":
-        path.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
-    elif case == "broken":
-        path.write_text('{"problem": "1+1?", "answer": "2"}\n{not json\n')
-    with pytest.raises(SystemExit):
-        remix.train(tiny_args(tiny_model, str(path), tmp_path / "out"))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("remix: error: ")
-    expected = {"missing": "does not exist", "empty": "is empty", "columns": "['question', 'solution']",
-                "broken": "line 2 is not valid JSON"}[case]
-    assert expected in err[0] and str(path) in err[0]
-    assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("response", [
-    "\\boxed{10^{10^{10^{10}}}}",
-    "\\boxed{" + "\\frac{1}{" * 700 + "2" + "}" * 700 + "}",  # about 5,000 characters
-    "the answer is \\boxed{\\frac{1}{2}",
-    "\\boxed{\x00\x01\x02\xff\xfe}",
-    "",
-])
-def test_math_reward_never_hangs_or_raises(response):
-    """A hang guard, not a speed claim: 4 s of grading, plus about 2 s to start a fresh worker (imports
-    included) when the previous input's timeout killed the last one."""
-
-    start = time.perf_counter()
-    assert remix.math_reward(response, "1") == 0.0
-    assert time.perf_counter() - start < 10.0
-
-
-def test_grader_failures_are_counted_in_the_step(tiny_model, train_file, tmp_path, monkeypatch):
-    """The real loop with a sampler that always answers with a number too large to compare."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    stuck = tokenizer("\\boxed{10^{10^{10^{10}}}}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    fine = tokenizer("\\boxed{7}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-
-    def sampler(policy, tok, prompts, n, args, device):
-        return [[(stuck if i == 0 else fine, "stop", None) for _ in range(n)] for i in range(len(prompts))]
-
-    monkeypatch.setattr(remix, "hf_generate", sampler)
-    remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=1, prompts_per_step=3, off_policy_p=0.0,
-                          grade_timeout=3.0))
-    row = read_metrics(tmp_path)[0]
-    assert row["grader/failures"] == 1 and row["grader/no_boxed"] == 0
-
-
-def test_non_finite_updates_stop_the_run_and_keep_the_last_good_checkpoint(tiny_model, train_file, tmp_path,
-                                                                           monkeypatch, capsys):
-    step = {"now": 0}
-    schedule, loss = remix.kl_convex_lambda, remix.mix_ppg_loss
-
-    def lam(t, *rest):  # called once a step with the step number
-        step["now"] = t
-        return schedule(t, *rest)
-
-    def poisoned(*a, **k):
-        value, stats = loss(*a, **k)
-        return (value * float("nan") if step["now"] >= 3 else value), stats
-
-    monkeypatch.setattr(remix, "kl_convex_lambda", lam)
-    monkeypatch.setattr(remix, "mix_ppg_loss", poisoned)
-    with pytest.raises(SystemExit):
-        remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=5, save_every=1, keep_last=0))
-    err = capsys.readouterr().err
-    assert "3 non-finite updates in a row at step 3" in err and err.count("update skipped") == 3
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
-    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    from transformers import AutoModelForCausalLM
-
-    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-2"))
-    assert all(torch.isfinite(p).all() for p in reloaded.parameters())
-
-
-# ----------------------------------------------------------------------------------------------
-# Faithful at the paper's scale (GRPO on long responses, clipfrac, masks, detached centre, ...)
-# ----------------------------------------------------------------------------------------------
-def long_grpo_batch(length=4000, sigma=0.02, seed=0):
-    """One group of two: a right 4,000-token response whose per-token log(pi_k/mu) ~ N(0, sigma^2), and a
-    wrong 5-token one."""
-    g = torch.Generator().manual_seed(seed)
-    behaviour = -3.0 * torch.rand(length, generator=g)
-    samples = [{"response_ids": [0] * length, "behaviour_logp": behaviour,
-                "prox_logp": behaviour + sigma * torch.randn(length, generator=g), "reward": 1.0, "group": 1},
-               {"response_ids": [0] * 5, "behaviour_logp": torch.zeros(5), "prox_logp": torch.zeros(5),
-                "reward": 0.0, "group": 1}]
-    return samples, 0.5 / (math.sqrt(0.5) + 1e-6)  # A_hat of the right one: (1 - 0.5) / (unbiased std + 1e-6)
-
-
-def test_grpo_advantage_survives_a_4000_token_response_by_default():
-    batch, a_hat = long_grpo_batch()
-    remix.compute_advantages(batch, remix.Args(algo="grpo"))
-    assert torch.equal(batch[0]["advantages"], torch.full((4000,), a_hat, dtype=torch.float32))  # exactly A_hat
-    assert torch.equal(batch[1]["advantages"], torch.full((5,), -a_hat, dtype=torch.float32))
-
-
-def test_grpo_vtrace_product_vanishes_on_a_4000_token_response():
-    batch, a_hat = long_grpo_batch()
-    remix.compute_advantages(batch, remix.Args(algo="grpo", grpo_vtrace=True))
-    adv = batch[0]["advantages"]
-    assert abs(adv[0].item()) < 1e-3 * a_hat  # expected e^(-4000 * 0.02 / sqrt(2 pi)) = 1e-14
-    assert adv[-1].item() == pytest.approx(a_hat)  # the last token keeps A_hat
-
-
-def test_step_metrics_adv_scale_and_trace_product_by_hand():
-
-    fresh = [{"reward": 1.0, "response_ids": [0, 0], "truncated": False, "reflects": False, "version": 3},
-             {"reward": 0.0, "response_ids": [0], "truncated": True, "reflects": True, "version": 3}]
-    history = [{"reward": 1.0, "response_ids": [0, 0, 0], "truncated": False, "reflects": False, "version": 1}]
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
-    advantages = torch.tensor([[2.0, -2.0, 0.0], [1.0, 0.0, 0.0], [0.5, -0.5, 1.0]])
-    trace_c = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.5, 0.8, 1.0]])
-    log_ratio = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [math.log(0.5), math.log(0.8), math.log(1.5)]])
-    adv = {"mask": mask, "advantages": advantages, "trace_c": trace_c, "log_ratio": log_ratio}
-    record = remix_utils.step_metrics(3, fresh, history, collections.Counter({"ok": 2}), adv, {}, {"gen": 1.0,
-                                      "trainer": 1.0}, collections.Counter(tokens=6, slots=8), 1, 1.0)
-    # mean |A| over historical tokens (0.5 + 0.5 + 1) / 3, over fresh ones (2 + 2 + 1) / 3
-    assert record["offpolicy/adv_scale"] == pytest.approx((2 / 3) / (5 / 3))
-    assert record["offpolicy/trace_prod_mean"] == pytest.approx(0.5 * 0.8 * 1.0)
-    assert record["offpolicy/ratio_min"] == pytest.approx(0.5) and record["offpolicy/ratio_max"] == pytest.approx(1.5)
-    assert record["offpolicy/ratio_mean"] == pytest.approx((0.5 + 0.8 + 1.5) / 3)
-    assert record["offpolicy/trace_truncated"] == pytest.approx(1 / 3)  # 1.5 > c_bar
-    assert record["offpolicy/log_ratio_mean"] == pytest.approx((math.log(0.5) + math.log(0.8) + math.log(1.5)) / 3)
-    assert record["replay/mean_age"] == 2.0 and record["batch/fresh"] == 2 and record["batch/historical"] == 1
-    assert record["perf/padding"] == pytest.approx(0.25)
-    assert record["reward/mean"] == 0.5 and record["response/truncated"] == 0.5
-
-
-def test_clipfrac_counts_only_tokens_where_the_clip_changes_the_objective():
-    # c = 1 (fresh): (r, A) = (1.3, +1) clipped; (1.3, -1) not (the min keeps r A); (0.7, -1) clipped;
-    # (0.7, +1) not; (1.1, +1) inside the interval
-    ratio = torch.tensor([[1.3, 1.3, 0.7, 0.7, 1.1]])
-    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0]])
-    _, stats = remix.mix_ppg_loss(ratio.log(), torch.zeros(1, 5), torch.zeros(1, 5), adv, torch.ones(1, 5, dtype=torch.bool))
-    assert stats["clipfrac"].item() == pytest.approx(2 / 5)
-
-
-def test_clip_centre_is_a_constant():
-    behaviour = torch.tensor([[-1.0, -2.0]])
-    prox = torch.tensor([[-1.2, -1.5]], requires_grad=True)
-    logp = torch.tensor([[-0.5, -2.5]], requires_grad=True)
-    loss, _ = remix.mix_ppg_loss(logp, behaviour, prox, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.bool))
-    loss.backward()
-    assert prox.grad is None and logp.grad is not None
-
-
-def test_pure_functions_take_float_masks():
-    g = torch.Generator().manual_seed(1)
-    x, y, z, w = (torch.randn(3, 5, generator=g) for _ in range(4))
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
-    calls = [lambda m: remix.masked_mean(x, m), lambda m: remix.kl_convex_loss(x, y, z, 0.7, m),
-             lambda m: remix.truncated_trace(x, y, m), lambda m: remix.vtrace_advantages(x, y, z.abs(), m, 0.9, 0.8)[0],
-             lambda m: remix.vtrace_advantages(x, y, z.abs(), m)[1], lambda m: remix.whiten(x, m),
-             lambda m: remix.mix_ppg_loss(x, y, z, w, m)[0], lambda m: remix.mix_ppg_loss(x, y, z, w, m)[1]["clipfrac"],
-             lambda m: remix.clipped_value_loss(x, y, z, m), lambda m: remix.grpo_token_advantages(x[:, 0], z.abs(), m),
-             lambda m: remix.grpo_token_advantages(x[:, 0], z.abs(), m, product=True)]
-    for call in calls:
-        torch.testing.assert_close(call(mask.float()), call(mask), rtol=0, atol=0)
-
-
-def test_policy_objective_is_eq6():
-    assert remix.policy_objective(torch.tensor(0.3), torch.tensor(2.0), torch.tensor(0.5), 0.01, 0.1).item() == \
-        pytest.approx(0.3 - 0.01 * 2.0 + 0.1 * 0.5)
+    assert "--sampler-is-cap needs a cap > 0 and --sampler vllm" in capsys.readouterr().err
 
 
 def test_hf_sampler_stops_at_every_eos_id_of_the_generation_config(tiny_model):
@@ -696,510 +676,6 @@ def test_hf_sampler_stops_at_every_eos_id_of_the_generation_config(tiny_model):
     policy.generation_config.eos_token_id = [tokenizer.eos_token_id] + list(range(256))  # every byte token ends
     stopped = remix.hf_generate(policy, tokenizer, prompts, 4, args, "cpu")[0]
     assert all(finish == "stop" and len(ids) == 1 for ids, finish, _ in stopped)
-
-
-def test_on_policy_means_no_replay_no_extra_passes_no_switch_and_kl_to_the_base(tiny_model, train_file, tmp_path):
-    args = remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, on_policy=True))
-    assert (args.off_policy_p, args.utd, args.reincarnation, args.kl_convex) == (0.0, 1, False, False)
-    remix.train(tiny_args(tiny_model, train_file, tmp_path, on_policy=True, steps=2, kl_convex_start=0,
-                          kl_convex_every=1))
-    rows = read_metrics(tmp_path)
-    assert [(r["batch/historical"], r["train/utd"], r["kl_convex/lambda"], r["phase"]) for r in rows] == \
-        [(0, 1, 1.0, "mix"), (0, 1, 1.0, "mix")]
-
-
-def layer_calls_during_update(monkeypatch, model, data, out, checkpointing) -> collections.Counter:
-    """Calls of every decoder layer of the policy and the critic inside update(): twice per micro-batch when
-    activations are recomputed in the backward pass, once otherwise. (Pre-hooks: torch stops a recompute as
-    soon as it has what the backward needs, before the layer's post-hooks would run.)"""
-    calls, real = collections.Counter(), remix.update
-
-    def spy(batch, policy, critic, *rest, **kw):
-        hooks = [layer.register_forward_pre_hook(lambda *_, name=name: calls.update([name]))
-                 for name, net in (("policy", policy), ("critic", critic)) for layer in net.base_model.layers]
-        try:
-            return real(batch, policy, critic, *rest, **kw)
-        finally:
-            for hook in hooks:
-                hook.remove()
-
-    with monkeypatch.context() as patch:
-        patch.setattr(remix, "update", spy)
-        remix.train(tiny_args(model, data, out, algo="ppo", steps=1, gradient_checkpointing=checkpointing))
-    return calls
-
-
-def test_gradient_checkpointing_acts_on_both_models_when_asked(tiny_model, train_file, tmp_path, monkeypatch):
-    plain = layer_calls_during_update(monkeypatch, tiny_model, train_file, tmp_path / "plain", False)
-    recomputed = layer_calls_during_update(monkeypatch, tiny_model, train_file, tmp_path / "ckpt", True)
-    assert plain["policy"] > 0 and plain["critic"] > 0
-    assert recomputed == collections.Counter({k: 2 * v for k, v in plain.items()})
-
-
-def test_logged_losses_are_the_optimised_token_means(tiny_model, train_file, tmp_path, monkeypatch):
-    """One mini-batch holding the whole batch, split into micro-batches of one response or all of them:
-    the logged losses equal the token mean over the mini-batch computed in one piece."""
-    captured = {}
-    real = remix.update
-
-    def spy(batch, policy, *rest, **kw):
-        captured["batch"], captured["policy"] = [dict(s) for s in batch], plain_copy(policy)
-        return real(batch, policy, *rest, **kw)
-
-    monkeypatch.setattr(remix, "update", spy)
-    rows = {}
-    for budget in (1, 100_000):
-        remix.train(tiny_args(tiny_model, train_file, tmp_path / str(budget), algo="grpo", steps=1, group_size=2,
-                              prompts_per_step=5, mini_batch_prompts=8, utd=1, max_tokens_per_micro_batch=budget))
-        rows[budget] = read_metrics(tmp_path / str(budget))[0]
-    batch, policy = captured["batch"], captured["policy"]
-    mb = remix.collate(batch, "cpu")
-    mask = mb["response_mask"]
-    logp, entropy = remix.policy_forward(policy, mb, 1.0)
-    adv, behaviour = remix.padded(batch, "advantages"), remix.padded(batch, "behaviour_logp")
-    pg, _ = remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask)
-    for budget in rows:
-        assert rows[budget]["losses/policy_loss"] == pytest.approx(pg.item(), rel=1e-4, abs=1e-7)
-        assert rows[budget]["losses/entropy"] == pytest.approx(remix.masked_mean(entropy, mask).item(), rel=1e-5)
-
-
-# ----------------------------------------------------------------------------------------------
-# The grader from any caller; a checkpoint that cannot be written
-# ----------------------------------------------------------------------------------------------
-GRADE = ("import sys, time; sys.path.insert(0, {here!r}); import remix; start = time.perf_counter(); "
-         "print(remix.math_reward('so \\\\boxed{{2}}', '2'), remix.math_reward('\\\\boxed{{3}}', '2'), "
-         "round(time.perf_counter() - start, 1))")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("shape", ["script-with-guard", "script-without-guard", "python-c", "stdin", "interactive"])
-def test_math_reward_works_from_every_kind_of_caller(shape, tmp_path):
-    code = GRADE.format(here=str(HERE))
-    script = tmp_path / "caller.py"
-    script.write_text(f"if __name__ == '__main__':\n    {code}\n" if shape == "script-with-guard" else code + "\n")
-    argv, stdin = {"script-with-guard": ([str(script)], None), "script-without-guard": ([str(script)], None),
-                   "python-c": (["-c", code], None), "stdin": (["-"], code + "\n"),
-                   "interactive": (["-i", "-q"], code + "\n")}[shape]
-    done = subprocess.run([sys.executable, *argv], input=stdin, capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    right, wrong, seconds = done.stdout.split()[-3:]
-    assert (right, wrong) == ("1.0", "0.0")
-    assert float(seconds) < 10.0  # a hang guard (worker start-up included), not a speed claim
-
-
-def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tiny_model, train_file, tmp_path, monkeypatch,
-                                                                    capsys):
-    import errno
-
-    from transformers import AutoModelForCausalLM
-
-    real_save = torch.save
-
-    def full_disk(obj, path, *a, **k):  # the policy and optimizer of checkpoint-2 are written, then the disk is full
-        if "checkpoint-2" in str(path) and str(path).endswith("trainer_state.pt"):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_save(obj, path, *a, **k)
-
-    monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(SystemExit) as exit_info:
-        remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=3, save_every=1, keep_last=0))
-    assert exit_info.value.code == 2
-    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines()
-           if line.strip() and not re.match(r"remix:\s+\d+%", line)]  # all but the progress bar
-    assert len(err) == 1 and "cannot write checkpoint" in err[0] and str(tmp_path / "checkpoint-2") in err[0]
-    assert "No space left on device" in err[0]
-    assert sorted(p.name for p in tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]  # no .tmp left
-    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-1"))
-    assert all(torch.isfinite(p).all() for p in reloaded.parameters())
-
-
-# ----------------------------------------------------------------------------------------------
-# A new user's first hour: fast clear failures, Ctrl-C, files that are not clobbered, quiet logs
-# ----------------------------------------------------------------------------------------------
-def run_remix(*argv, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    env = {k: v for k, v in env.items() if v is not None}
-    return subprocess.run([sys.executable, str(HERE / "remix.py"), *argv], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
-
-
-def one_error_line(done: subprocess.CompletedProcess, text: str):
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("remix: error: ") and text in lines[0], \
-        done.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_a_mistyped_local_model_folder_fails_in_seconds(tmp_path, train_file):
-    (tmp_path / "runs").mkdir()
-
-    start = time.perf_counter()
-    done = run_remix("--model", "runs/tiny-qwen3", "--dataset", train_file, cwd=tmp_path, env={"HF_HUB_OFFLINE": None})
-    one_error_line(done, "model folder 'runs/tiny-qwen3' does not exist")
-    done = run_remix("--model", "my model", "--dataset", train_file, cwd=tmp_path, env={"HF_HUB_OFFLINE": None})
-    one_error_line(done, "model folder 'my model' does not exist")
-    assert time.perf_counter() - start < 60  # a hang guard: the hub's retries took 50 s for each
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("offline", [False, True])
-def test_hub_ids_without_the_hub_fail_in_seconds(tmp_path, offline):
-    # no cache in HF_HOME; the endpoint is a closed local port, so this also holds on a machine with a network
-    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1" if offline else None}
-    done = run_remix("--steps", "350", "--out", str(tmp_path / "out"), env=env, timeout=120)
-    one_error_line(done, "HF_HUB_OFFLINE" if offline else "cannot be reached")
-    if not offline:
-        assert "--model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" in done.stderr and "HF_HUB_OFFLINE=1" in done.stderr
-    eval_done = subprocess.run([sys.executable, str(HERE / "eval.py"), "--model", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"],
-                               capture_output=True, text=True, timeout=120,
-                               env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
-    lines = eval_done.stderr.strip().splitlines()
-    assert eval_done.returncode == 2 and len(lines) == 1 and lines[0].startswith("eval: error: "), eval_done.stderr[-2000:]
-    assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.slow
-def test_an_existing_run_is_not_clobbered(tiny_model, train_file, tmp_path):
-    out = tmp_path / "run"
-    base = ["--model", tiny_model, "--dataset", train_file, "--out", str(out), "--sampler", "hf", "--algo", "grpo",
-            "--prompts-per-step", "4", "--group-size", "2", "--max-response-tokens", "8"]
-    assert run_remix(*base, "--steps", "2").returncode == 0
-    before = (out / "metrics.jsonl").read_text()
-    one_error_line(run_remix(*base, "--steps", "1"), f"--out {out} already holds a run")
-    assert (out / "metrics.jsonl").read_text() == before and len(list((out / "tb").iterdir())) == 1
-    # --resume with a larger --steps extends the finished run; other flags are named as ignored
-    done = run_remix("--resume", str(out), "--steps", "3", "--actor-lr", "0.5")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "ignored: --actor-lr" in done.stdout
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
-    done = run_remix("--resume", str(out))  # nothing left to do: it says so and starts nothing
-    assert done.returncode == 0 and "has finished all 3 steps" in done.stdout
-    # --overwrite replaces the old run
-    assert run_remix(*base, "--steps", "1", "--overwrite").returncode == 0
-    assert [r["step"] for r in read_metrics(out)] == [1]
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and len(list((out / "tb").iterdir())) == 1
-
-
-def child_pids(pid: int) -> set[int]:
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
-    return found
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.0, 0.3, 0.9, 1.6])
-def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, delay):
-    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, at several points after step 1."""
-
-    out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
-                             "--out", str(out), "--sampler", "hf", "--algo", "ppo", "--steps", "50", "--save-every", "1",
-                             "--prompts-per-step", "10", "--max-response-tokens", "24"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    deadline = time.time() + 240
-    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
-        time.sleep(0.05)
-    time.sleep(delay)
-    workers = child_pids(proc.pid)
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)  # never a hang
-    assert proc.returncode == 130
-    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not line.startswith("remix: ")
-             or line.startswith("remix: interrupted")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    step = int(lines[0].split("interrupted at step ")[1].split(";")[0])
-    assert step in (len(read_metrics(out)), len(read_metrics(out)) + 1)  # while saving it, or in the next step
-    found = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    if found:
-        assert f"the last checkpoint is {found[-1]}; continue with --resume {out}" in lines[0]
-    else:  # interrupted while step 1 was being saved
-        assert "the last checkpoint is none yet; nothing to resume" in lines[0]
-    time.sleep(0.5)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)  # the grader workers are gone
-
-
-@pytest.mark.slow
-def test_a_vllm_run_is_quiet_and_its_progress_bar_is_in_step(tiny_model, train_file, tmp_path):
-    out = tmp_path / "run"
-    done = run_remix("--model", tiny_model, "--dataset", train_file, "--out", str(out), "--algo", "ppo", "--steps", "3",
-                     "--prompts-per-step", "10", "--max-response-tokens", "16", "--reincarnate-step", "2")
-    assert done.returncode == 0, done.stderr[-2000:]
-    segments = [s for s in done.stderr.replace("\r", "\n").splitlines() if s.strip()]
-    bar = [s for s in segments if re.match(r"remix:\s+\d+%", s)]
-    noise = [s for s in segments if s not in bar]
-    # on CPU torch itself prints one NUMA line when vLLM binds memory; nothing else may appear
-    assert len(noise) <= 1 and all("NUMA" in s for s in noise), noise
-    assert "Failed to load weights" not in done.stderr and "MISSING" not in done.stderr + done.stdout
-    assert done.stdout.count("critic: the base model with a new scalar value head") == 1
-    totals = {r["step"]: r["rollouts/total"] for r in read_metrics(out)}
-    shown = [(int(m.group(1)), int(m.group(2))) for s in bar for m in [re.search(r"(\d+)/3 \[.*rollouts=(\d+)", s)] if m]
-    assert shown and all(totals[step] == rollouts for step, rollouts in shown), shown  # never a step behind
-    assert shown[-1] == (3, totals[3])
-
-
-@pytest.mark.slow
-def test_help_shows_one_default_per_flag():
-    done = subprocess.run([sys.executable, str(HERE / "remix.py"), "--help"], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, COLUMNS="120"))
-    text = done.stdout
-    for flag, following, default in (("--prompts-per-step", "--group-size", "(default: 256 for PPO, 128 for GRPO)"),
-                                     ("--group-size", "--off-policy-p", "(default: 1 for PPO, 8 for GRPO)")):
-        entry = text[text.index(flag) : text.index(following, text.index(flag) + len(flag))]
-        entry = " ".join(entry.replace("│", " ").split())
-        assert entry.count("(default:") == 1 and default in entry, entry
-
-
-# ----------------------------------------------------------------------------------------------
-# Several processes: torchrun with FSDP2 on CPU (gloo), 2 processes
-# ----------------------------------------------------------------------------------------------
-DERIVED = ("advantages", "value_targets")
-
-
-def prepared_update_case(model, data, out, algo) -> dict:
-    """The batch, models and settings that update() received at step 2 of a real run (history present,
-    lambda < 1), before it changed anything."""
-    captured, real = {}, remix.update
-
-    def spy(batch, policy, critic, optimizers, lam, utd, step, args, *rest, **kw):
-        if step == 2:
-            captured.update(batch=[{k: v for k, v in s.items() if k not in DERIVED} for s in batch], lam=lam, utd=utd,
-                            step=step, args=dataclasses.asdict(args), model=model,
-                            policy={k: v.clone() for k, v in full_state(policy).items()},
-                            critic=None if critic is None else {k: v.clone() for k, v in full_state(critic).items()})
-        return real(batch, policy, critic, optimizers, lam, utd, step, args, *rest, **kw)
-
-    remix.update = spy
-    try:
-        group = 2 if algo == "grpo" else 1
-        remix.train(tiny_args(model, data, out, algo=algo, steps=2, prompts_per_step=10, group_size=group,
-                              mini_batch_prompts=3, actor_lr=1e-3, kl_convex_start=0, kl_convex_every=1))
-    finally:
-        remix.update = real
-    return captured
-
-
-def run_update(case: dict) -> tuple[dict, dict]:
-    """compute_advantages and update on this rank's share of the case's batch (whole groups, in order);
-    returns the full parameters after the update (on rank 0) and the logged statistics."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
-
-    device = remix_utils.init_distributed()
-    args = remix.Args(**case["args"])
-    policy = AutoModelForCausalLM.from_pretrained(case["model"])
-    policy.load_state_dict(case["policy"])
-    critic = None
-    if case["critic"] is not None:
-        config = AutoConfig.from_pretrained(case["model"], num_labels=1)
-        critic = AutoModelForTokenClassification.from_pretrained(case["model"], config=config)
-        critic.load_state_dict(case["critic"])
-        critic.dropout.p = 0.0  # as load_models does
-    policy, critic = remix_utils.shard(policy, device, torch.float32), critic and remix_utils.shard(critic, device,
-                                                                                                   torch.float32)
-    share = len(case["batch"]) // remix_utils.world()
-    batch = case["batch"][remix_utils.rank() * share :][:share]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=args.weight_decay) if m is not None else None
-                  for m, lr in ((policy, args.actor_lr), (critic, args.critic_lr))]
-    remix.compute_advantages(batch, args)
-    stats = remix.update(batch, policy, critic, optimizers, case["lam"], case["utd"], case["step"], args, device,
-                         {"bad_updates": 0}, collections.Counter())
-    full = {name: full_state(m) for name, m in (("policy", policy), ("critic", critic)) if m}
-    return full, dict(stats)
-
-
-def torchrun(*argv, timeout=600, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(29500 + os.getpid() % 1000), *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_two_processes_make_the_same_update_as_one(algo, tiny_model, train_file, tmp_path):
-    case = prepared_update_case(tiny_model, train_file, tmp_path / "run", algo)
-    assert case["lam"] < 1 and any(s["version"] < case["step"] for s in case["batch"])  # history in it
-    # Adam moves a weight by about lr whatever its gradient's size, so summation-order noise on a gradient near
-    # zero can shift it by up to lr: compare at lr 1e-4 (about 1e-6 of such noise), not the run's 1e-3
-    case["args"].update(actor_lr=1e-4, critic_lr=1e-4)
-    torch.save(case, tmp_path / "case.pt")
-    one, one_stats = run_update(case)
-    done = torchrun(str(HERE / "test_remix.py"), "update", str(tmp_path / "case.pt"), str(tmp_path / "two.pt"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    two, two_stats = torch.load(tmp_path / "two.pt", weights_only=False)
-    assert set(one) == set(two)
-    for name in one:
-        moved = max((one[name][k] - case[name][k]).abs().max().item() for k in one[name])
-        assert moved > 1e-4  # the update changed the weights
-        for key in one[name]:
-            torch.testing.assert_close(two[name][key], one[name][key], rtol=0, atol=1e-5)
-    assert set(one_stats) == set(two_stats)
-    for key in one_stats:
-        assert two_stats[key] == pytest.approx(one_stats[key], rel=1e-4, abs=1e-6), key
-
-
-def distributed_main(argv: list[str]):
-    """torchrun --nproc-per-node 2 test_remix.py update CASE.pt OUT.pt"""
-
-    full, stats = run_update(torch.load(argv[1], weights_only=False))
-    if remix_utils.rank() == 0:
-        torch.save((full, stats), argv[2])
-    remix_utils.barrier()
-    os._exit(0)  # skip the process group's teardown, which can abort at exit
-
-
-def engine_tokens_main(argv: list[str]):
-    """torchrun --nproc-per-node 2 test_remix.py engine-tokens OUT REMIX_FLAGS...: remix.train with the token ids of
-    every vLLM call saved per rank (OUT/engine-tokens-rankR.pt), to compare the ranks of one engine."""
-    import tyro
-
-    calls, real = [], remix.vllm_generate
-
-    def spy(*args, **kwargs):
-        result = real(*args, **kwargs)
-        calls.append([[ids for ids, _, _ in group] for group in result])
-        return result
-
-    remix.vllm_generate = spy
-    remix.train(tyro.cli(remix.Args, args=argv[2:]))
-    torch.save(calls, Path(argv[1]) / f"engine-tokens-rank{remix_utils.rank()}.pt")
-    remix_utils.barrier()
-    os._exit(0)
-
-
-def timeout_main(argv: list[str]):
-    """torchrun --nproc-per-node 2 test_remix.py timeout SECONDS: rank 1 enters a barrier SECONDS late; rank 0 reports
-    how long it waited before its barrier gave up."""
-    import torch.distributed as dist
-
-    remix_utils.init_distributed(timeout_minutes=0.05)  # 3 s
-    start = time.time()
-    if dist.get_rank() == 1:
-        time.sleep(float(argv[1]))
-        os._exit(0)
-    try:
-        dist.barrier()
-        print("WAITED", time.time() - start, "no error", flush=True)
-    except Exception as error:  # gloo: a timeout error from the barrier
-        print("WAITED", time.time() - start, type(error).__name__, flush=True)
-    os._exit(0)
-
-
-if __name__ == "__main__" and len(sys.argv) > 1:
-    {"update": distributed_main, "engine-tokens": engine_tokens_main, "timeout": timeout_main}[sys.argv[1]](sys.argv[1:])
-
-
-def remix_cli(model, data, out, *extra) -> list[str]:
-    return [str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out), "--steps", "4",
-            "--reincarnate-step", "2", "--prompts-per-step", "10", "--max-response-tokens", "16",
-            "--mini-batch-prompts", "3", "--save-every", "2", *extra]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm"), ("ppo", "vllm")])
-def test_torchrun_two_processes_end_to_end(algo, sampler, tiny_model, train_file, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "run"
-    group = 2 if algo == "grpo" else 1
-    done = torchrun(*remix_cli(tiny_model, train_file, out, "--algo", algo, "--sampler", sampler, "--group-size",
-                               str(group)))
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step once: one process writes
-    assert len(list((out / "tb").iterdir())) == 1
-    # 10 prompts over 2 processes: 6 fresh + 4 historical during the mix stage, 10 fresh after T = 2
-    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == \
-        [(6 * group, 0), (6 * group, 4 * group), (10 * group, 0), (10 * group, 0)]
-    assert [r["rollouts/total"] for r in rows] == [6 * group, 12 * group, 22 * group, 32 * group]
-    assert [r["phase"] for r in rows] == ["mix", "mix", "on-policy", "on-policy"]
-    checkpoint = out / "checkpoint-4"
-    assert sorted(p.name for p in checkpoint.glob("trainer_state*.pt")) == ["trainer_state-rank1.pt", "trainer_state.pt"]
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
-    base = AutoModelForCausalLM.from_pretrained(tiny_model)
-    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
-    assert (checkpoint / "reference" / "config.json").exists() and ((checkpoint / "critic").exists() == (algo == "ppo"))
-    # the sharded reference took pi_T's weights at T = 2: the policy saved at step 2
-    pi_t = AutoModelForCausalLM.from_pretrained(str(out / "checkpoint-2")).state_dict()
-    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint / "reference")).state_dict()
-    assert all(torch.equal(reference[k], pi_t[k]) for k in pi_t)
-
-
-@pytest.mark.slow
-def test_two_ranks_share_one_tensor_parallel_engine(tiny_model, train_file, tmp_path):
-    """--vllm-tp 2: both ranks drive one engine sharded over them and draw the same tokens for its prompts (each
-    request carries its own seed); each trains on its half of the responses."""
-    out = tmp_path / "run"
-    flags = remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "vllm", "--group-size", "2",
-                      "--vllm-tp", "2", "--steps", "2")[1:]
-    done = torchrun(str(HERE / "test_remix.py"), "engine-tokens", str(out), *flags)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = read_metrics(out)
-    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(12, 0), (12, 8)]
-    assert all(r["perf/weight_sync_s"] > 0 for r in rows)
-    ranks = [torch.load(out / f"engine-tokens-rank{r}.pt") for r in (0, 1)]
-    assert len(ranks[0]) == 2 and [len(call) for call in ranks[0]] == [6, 6]  # the engine's 6 prompts, each step
-    assert ranks[0] == ranks[1]
-    assert ranks[0][0][0] != ranks[0][0][1]  # and the prompts' own seeds differ
-
-
-@pytest.mark.slow
-def test_every_collective_waits_at_most_the_dist_timeout(tmp_path):
-    done = torchrun(str(HERE / "test_remix.py"), "timeout", "8", timeout=120)
-    waited = [line.split() for line in done.stdout.splitlines() if line.startswith("WAITED")]
-    assert len(waited) == 1 and waited[0][2] != "no", done.stdout + done.stderr[-2000:]
-    assert 2.5 < float(waited[0][1]) < 10  # the 3 s timeout, not gloo's default of 30 minutes
-
-
-def worker_pids(agent: int) -> dict[int, int]:
-    """LOCAL_RANK -> pid of torchrun's worker processes."""
-    ranks = {}
-    for pid in child_pids(agent):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        rank = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"LOCAL_RANK=")]
-        if rank:
-            ranks[int(rank[0])] = pid
-    return ranks
-
-
-@pytest.mark.slow
-def test_a_killed_rank_ends_the_job_and_resume_completes_it(tiny_model, train_file, tmp_path):
-
-    out = tmp_path / "run"
-    argv = remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "hf", "--group-size", "2", "--steps", "6")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                             str(29500 + os.getpid() % 1000), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    wait_into_step_3(proc, out, 0.3)
-    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
-    killed = time.time()
-    proc.communicate(timeout=120)
-    assert proc.returncode != 0 and time.time() - killed < 60  # the whole job ends, never a hang
-    assert not (out / "checkpoint-6").exists()
-    done = torchrun(str(HERE / "remix.py"), "--resume", str(out))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
-    # a different number of processes is refused with one line
-    refused = run_remix("--resume", str(out), "--steps", "8")
-    one_error_line(refused, "was trained by 2 processes, this is 1")
-
-
-@pytest.mark.slow
-def test_prompts_that_do_not_split_over_the_processes_are_refused(tiny_model, train_file, tmp_path):
-    done = torchrun(*remix_cli(tiny_model, train_file, tmp_path / "run", "--sampler", "hf", "--prompts-per-step", "5"))
-    assert done.returncode != 0
-    errors = [line for line in done.stderr.splitlines() if line.startswith("remix: error:")]
-    assert errors == ["remix: error: --prompts-per-step 5 (3 fresh + 2 historical at p = 0.4) cannot split into whole "
-                      "groups over 2 processes: make each a multiple of 2"]
-    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1380,9 +856,119 @@ def test_spied_steps_match_independent_recomputation(algo, tiny_model, train_fil
                     assert close(v_args[1][j, :n], values[row]) and close(v_args[2][j, :n], targets[row].float(), 1e-4)
 
 
+def test_step_metrics_adv_scale_and_trace_product_by_hand():
+
+    fresh = [{"reward": 1.0, "response_ids": [0, 0], "truncated": False, "reflects": False, "version": 3},
+             {"reward": 0.0, "response_ids": [0], "truncated": True, "reflects": True, "version": 3}]
+    history = [{"reward": 1.0, "response_ids": [0, 0, 0], "truncated": False, "reflects": False, "version": 1}]
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    advantages = torch.tensor([[2.0, -2.0, 0.0], [1.0, 0.0, 0.0], [0.5, -0.5, 1.0]])
+    trace_c = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.5, 0.8, 1.0]])
+    log_ratio = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [math.log(0.5), math.log(0.8), math.log(1.5)]])
+    adv = {"mask": mask, "advantages": advantages, "trace_c": trace_c, "log_ratio": log_ratio}
+    record = remix_utils.step_metrics(3, fresh, history, collections.Counter({"ok": 2}), adv, {}, {"gen": 1.0,
+                                      "trainer": 1.0}, collections.Counter(tokens=6, slots=8), 1, 1.0)
+    # mean |A| over historical tokens (0.5 + 0.5 + 1) / 3, over fresh ones (2 + 2 + 1) / 3
+    assert record["offpolicy/adv_scale"] == pytest.approx((2 / 3) / (5 / 3))
+    assert record["offpolicy/trace_prod_mean"] == pytest.approx(0.5 * 0.8 * 1.0)
+    assert record["offpolicy/ratio_min"] == pytest.approx(0.5) and record["offpolicy/ratio_max"] == pytest.approx(1.5)
+    assert record["offpolicy/ratio_mean"] == pytest.approx((0.5 + 0.8 + 1.5) / 3)
+    assert record["offpolicy/trace_truncated"] == pytest.approx(1 / 3)  # 1.5 > c_bar
+    assert record["offpolicy/log_ratio_mean"] == pytest.approx((math.log(0.5) + math.log(0.8) + math.log(1.5)) / 3)
+    assert record["replay/mean_age"] == 2.0 and record["batch/fresh"] == 2 and record["batch/historical"] == 1
+    assert record["perf/padding"] == pytest.approx(0.25)
+    assert record["reward/mean"] == 0.5 and record["response/truncated"] == 0.5
+
+
+def test_cached_reference_logprobs_equal_a_fresh_computation(tiny_model, train_file, tmp_path):
+    """Reference log-probs are computed once, when a sample is fresh, and replayed with it: at every step they
+    equal the reference model's forward pass at that step, also on historical samples, until reincarnation
+    (T = 2) empties the deque."""
+    from transformers import AutoModelForCausalLM
+
+    checked, base = collections.Counter(), AutoModelForCausalLM.from_pretrained(tiny_model)
+
+    def on_step(step, record, policy, tokenizer, batch):
+        reference = base if step <= 2 else state["reference"]  # after T the live reference is pi_T
+        for s in batch:
+            assert close(s["ref_logp"], naive_logp(reference, s))
+            checked["historical" if s["version"] < step else "fresh"] += 1
+
+    state = {}
+    real = remix.load_models
+
+    def load(*a, **k):
+        out = real(*a, **k)
+        state["reference"] = out[2]
+        return out
+
+    remix.load_models = load
+    try:
+        remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="grpo", group_size=2, steps=3, reincarnate_step=2,
+                              actor_lr=1e-3), on_step=on_step)
+    finally:
+        remix.load_models = real
+    assert checked["historical"] > 0 and checked["fresh"] > 0
+
+
 # ----------------------------------------------------------------------------------------------
-# The loop's parts by their behaviour
+# The loop's parts by their behaviour: update passes, entropy and KL pulls, gradients released
 # ----------------------------------------------------------------------------------------------
+DERIVED = ("advantages", "value_targets")
+
+
+def prepared_update_case(model, data, out, algo) -> dict:
+    """The batch, models and settings that update() received at step 2 of a real run (history present,
+    lambda < 1), before it changed anything."""
+    captured, real = {}, remix.update
+
+    def spy(batch, policy, critic, optimizers, lam, utd, step, args, *rest, **kw):
+        if step == 2:
+            captured.update(batch=[{k: v for k, v in s.items() if k not in DERIVED} for s in batch], lam=lam, utd=utd,
+                            step=step, args=dataclasses.asdict(args), model=model,
+                            policy={k: v.clone() for k, v in full_state(policy).items()},
+                            critic=None if critic is None else {k: v.clone() for k, v in full_state(critic).items()})
+        return real(batch, policy, critic, optimizers, lam, utd, step, args, *rest, **kw)
+
+    remix.update = spy
+    try:
+        group = 2 if algo == "grpo" else 1
+        remix.train(tiny_args(model, data, out, algo=algo, steps=2, prompts_per_step=10, group_size=group,
+                              mini_batch_prompts=3, actor_lr=1e-3, kl_convex_start=0, kl_convex_every=1))
+    finally:
+        remix.update = real
+    return captured
+
+
+def run_update(case: dict) -> tuple[dict, dict]:
+    """compute_advantages and update on this rank's share of the case's batch (whole groups, in order);
+    returns the full parameters after the update (on rank 0) and the logged statistics."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+
+    device = remix_utils.init_distributed()
+    args = remix.Args(**case["args"])
+    policy = AutoModelForCausalLM.from_pretrained(case["model"])
+    policy.load_state_dict(case["policy"])
+    critic = None
+    if case["critic"] is not None:
+        config = AutoConfig.from_pretrained(case["model"], num_labels=1)
+        critic = AutoModelForTokenClassification.from_pretrained(case["model"], config=config)
+        critic.load_state_dict(case["critic"])
+        critic.dropout.p = 0.0  # as load_models does
+    policy, critic = remix_utils.shard(policy, device, torch.float32), critic and remix_utils.shard(critic, device,
+                                                                                                   torch.float32)
+    share = len(case["batch"]) // remix_utils.world()
+    batch = case["batch"][remix_utils.rank() * share :][:share]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=args.weight_decay) if m is not None else None
+                  for m, lr in ((policy, args.actor_lr), (critic, args.critic_lr))]
+    remix.compute_advantages(batch, args)
+    stats = remix.update(batch, policy, critic, optimizers, case["lam"], case["utd"], case["step"], args, device,
+                         {"bad_updates": 0}, collections.Counter())
+    full = {name: full_state(m) for name, m in (("policy", policy), ("critic", critic)) if m}
+    return full, dict(stats)
+
+
 @pytest.fixture(scope="module")
 def grpo_case(tmp_path_factory):
     """What update() received at step 2 of a real GRPO run (history present), to run it again at will."""
@@ -1445,6 +1031,27 @@ def test_a_large_kl_coefficient_pulls_the_policy_to_the_reference(grpo_case):
     assert kl(before) > 1e-4 and kl(after) < 0.5 * kl(before)
 
 
+def test_update_releases_every_gradient(grpo_case):
+    _, policy, _ = rerun_update(grpo_case)
+    assert all(p.grad is None for p in policy.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# The models and the trainer's passes: no dropout, forwards against unpadded ones, token budgets, sharding
+# ----------------------------------------------------------------------------------------------
+def test_models_have_no_dropout_in_training_mode(tiny_model, tmp_path):
+    remix_utils.init_distributed()
+    _, policy, reference, critic = remix.load_models(remix.Args(model=tiny_model, algo="ppo"), torch.device("cpu"))
+    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7]}], "cpu")
+    for model, fn in ((policy, lambda m: remix.policy_forward(m, mb, 1.0)[0]), (critic, lambda m: remix.critic_forward(m, mb))):
+        model.eval()
+        with torch.no_grad():
+            plain = fn(model)
+        model.train()
+        with torch.no_grad():
+            assert torch.equal(fn(model), plain)
+
+
 def test_forwards_and_collate_against_unpadded_passes(tiny_model):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -1470,74 +1077,6 @@ def test_forwards_and_collate_against_unpadded_passes(tiny_model):
         assert close(entropy[j, :n], -(log_probs.exp() * log_probs).sum(-1), 1e-4)
         # V(s_0) is the value at the last prompt token; V(s_t) at the position that predicts token t
         assert close(values[j, :n], v[len(s["prompt_ids"]) - 1 : -1])
-
-
-def test_draw_history_is_uniform_over_the_window():
-    import random as stdlib_random
-
-    replay = collections.deque(maxlen=2)
-    for step in (1, 2, 3):
-        replay.append([[{"version": step, "group": 10 * step + g}] for g in range(4)])
-    counts = collections.Counter()
-    stdlib_random.seed(0)
-    for _ in range(4000):
-        counts.update(g[0]["group"] for g in remix.draw_history(replay, 2))
-    assert set(counts) == {20, 21, 22, 23, 30, 31, 32, 33}  # the oldest batch was evicted
-    expected = 4000 * 2 / 8  # each of the 8 groups is drawn with probability 2/8
-    assert all(abs(n - expected) < 5 * math.sqrt(expected) for n in counts.values()), counts
-
-
-@pytest.mark.parametrize("c_bar", [0.5, 2.0])
-def test_truncated_trace_with_other_c_bars(c_bar):
-    prox = torch.tensor([[0.0, math.log(1.5), math.log(3.0), math.log(0.2)]])
-    behaviour = torch.zeros(1, 4)
-    c = remix.truncated_trace(prox, behaviour, torch.ones(1, 4, dtype=torch.bool), c_bar)
-    torch.testing.assert_close(c, torch.tensor([[min(c_bar, 1.0), min(c_bar, 1.5), min(c_bar, 3.0), 0.2]]))
-
-
-def test_clipfrac_is_measured_around_the_centre():
-    # c = pi_k / mu = 0.5: r = 0.8 with A > 0 is clipped (above 0.7), r = 1.05 with A > 0 too; r = 0.6 is inside
-    behaviour = torch.zeros(1, 3)
-    prox = torch.full((1, 3), math.log(0.5))
-    logp = torch.log(torch.tensor([[0.8, 1.05, 0.6]]))
-    _, stats = remix.mix_ppg_loss(logp, behaviour, prox, torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool))
-    assert stats["clipfrac"].item() == pytest.approx(2 / 3)
-
-
-def test_models_have_no_dropout_in_training_mode(tiny_model, tmp_path):
-    remix_utils.init_distributed()
-    _, policy, reference, critic = remix.load_models(remix.Args(model=tiny_model, algo="ppo"), torch.device("cpu"))
-    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7]}], "cpu")
-    for model, fn in ((policy, lambda m: remix.policy_forward(m, mb, 1.0)[0]), (critic, lambda m: remix.critic_forward(m, mb))):
-        model.eval()
-        with torch.no_grad():
-            plain = fn(model)
-        model.train()
-        with torch.no_grad():
-            assert torch.equal(fn(model), plain)
-
-
-# ----------------------------------------------------------------------------------------------
-# Trainer passes at long lengths: chunked log-probs, token-budget micro-batches, cached reference
-# ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("chunk", [1, 5, 7, 64])
-def test_chunked_logprobs_and_gradients_equal_the_plain_computation(chunk):
-
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(23, 16, generator=g, requires_grad=True)  # 23 tokens: ragged against every chunk size
-    weight = torch.randn(300, 16, generator=g, requires_grad=True)
-    targets = torch.randint(0, 300, (23,), generator=g)
-    upstream = torch.randn(23, 2, generator=g)  # d loss / d (log-prob, entropy)
-    out = remix_utils.chunked_logprobs(hidden, weight, targets, 0.8, chunk=chunk)
-    (out * upstream).sum().backward()
-    grads = hidden.grad.clone(), weight.grad.clone()
-    hidden.grad = weight.grad = None
-    log_probs = torch.log_softmax(hidden @ weight.T / 0.8, -1)  # [23, 300], whole
-    plain = torch.stack([log_probs.gather(-1, targets[:, None])[:, 0], -(log_probs.exp() * log_probs).sum(-1)], -1)
-    (plain * upstream).sum().backward()
-    torch.testing.assert_close(out, plain, rtol=0, atol=1e-5)
-    torch.testing.assert_close(grads[0], hidden.grad, rtol=0, atol=1e-5)
-    torch.testing.assert_close(grads[1], weight.grad, rtol=0, atol=1e-5)
 
 
 def test_micro_batches_respect_the_budget_and_group_lengths():
@@ -1568,7 +1107,7 @@ def test_token_budgets_change_no_number(algo, tiny_model, train_file, tmp_path):
         args, work = remix.Args(**case["args"]), collections.Counter()
         policy = AutoModelForCausalLM.from_pretrained(case["model"])
         policy.load_state_dict(case["policy"])
-        passes = remix.per_token(remix.logprobs(args), policy, case["batch"], args, "cpu", work)
+        passes = remix.per_token(remix.logprob_pass(args), policy, case["batch"], args, "cpu", work)
         if algo == "ppo":
             critic = AutoModelForTokenClassification.from_pretrained(
                 case["model"], config=AutoConfig.from_pretrained(case["model"], num_labels=1))
@@ -1589,120 +1128,32 @@ def test_token_budgets_change_no_number(algo, tiny_model, train_file, tmp_path):
             assert stats[key] == pytest.approx(reference[2][key], rel=1e-4, abs=1e-6), (budget, key)
 
 
-def test_cached_reference_logprobs_equal_a_fresh_computation(tiny_model, train_file, tmp_path):
-    """Reference log-probs are computed once, when a sample is fresh, and replayed with it: at every step they
-    equal the reference model's forward pass at that step, also on historical samples, until reincarnation
-    (T = 2) empties the deque."""
-    from transformers import AutoModelForCausalLM
+def layer_calls_during_update(monkeypatch, model, data, out, checkpointing) -> collections.Counter:
+    """Calls of every decoder layer of the policy and the critic inside update(): twice per micro-batch when
+    activations are recomputed in the backward pass, once otherwise. (Pre-hooks: torch stops a recompute as
+    soon as it has what the backward needs, before the layer's post-hooks would run.)"""
+    calls, real = collections.Counter(), remix.update
 
-    checked, base = collections.Counter(), AutoModelForCausalLM.from_pretrained(tiny_model)
+    def spy(batch, policy, critic, *rest, **kw):
+        hooks = [layer.register_forward_pre_hook(lambda *_, name=name: calls.update([name]))
+                 for name, net in (("policy", policy), ("critic", critic)) for layer in net.base_model.layers]
+        try:
+            return real(batch, policy, critic, *rest, **kw)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
-    def on_step(step, record, policy, tokenizer, batch):
-        reference = base if step <= 2 else state["reference"]  # after T the live reference is pi_T
-        for s in batch:
-            assert close(s["ref_logp"], naive_logp(reference, s))
-            checked["historical" if s["version"] < step else "fresh"] += 1
-
-    state = {}
-    real = remix.load_models
-
-    def load(*a, **k):
-        out = real(*a, **k)
-        state["reference"] = out[2]
-        return out
-
-    remix.load_models = load
-    try:
-        remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="grpo", group_size=2, steps=3, reincarnate_step=2,
-                              actor_lr=1e-3), on_step=on_step)
-    finally:
-        remix.load_models = real
-    assert checked["historical"] > 0 and checked["fresh"] > 0
+    with monkeypatch.context() as patch:
+        patch.setattr(remix, "update", spy)
+        remix.train(tiny_args(model, data, out, algo="ppo", steps=1, gradient_checkpointing=checkpointing))
+    return calls
 
 
-def test_every_planted_bug_of_the_mutation_check_still_applies():
-    """benchmarks/mutation_check.py plants each bug by replacing one exact piece of code. A reshaped line
-    silently retires its mutant until someone runs the script, so check here that every piece still occurs
-    exactly once and that the mutant changes it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("mutation_check", HERE / "benchmarks" / "mutation_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    assert len(check.MUTANTS) >= 28
-    for name, (path, old, new) in check.MUTANTS.items():
-        assert (HERE / path).read_text().count(old) == 1, f"mutant {name!r}: its code is no longer in {path}"
-        assert old != new, name
-
-
-@pytest.mark.slow
-def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
-    """benchmarks/gpu_check.py is what a session lent a GPU runs first, on a budget of minutes: its CPU dry run
-    (the same code on a tiny model) must keep working, or that budget goes on fixing the script. Mix stage,
-    switch and on-policy stage, with the PPO and GRPO step counts and rollouts of its three-step runs."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, str(HERE / "benchmarks" / "gpu_check.py"), str(tmp_path), "--quick"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert result["device"] == "cpu (dry run)" and result["world_size"] == 1
-    for algo in ("ppo", "grpo"):
-        run = result[f"end_to_end_{algo}"]
-        assert run["finite"] and [s["phase"] for s in run["steps"]] == ["mix", "mix", "on-policy"]
-        assert [s["rollouts/total"] for s in run["steps"]] == {"ppo": [6, 12, 22], "grpo": [12, 24, 44]}[algo]
-    assert {m["model"] for m in result["micro_batch"]} == {"policy", "critic"}
-
-
-# ----------------------------------------------------------------------------------------------
-# GPU readiness: seeded sampling, precision, sharding state, memory between updates, the sampler mismatch
-# ----------------------------------------------------------------------------------------------
-def test_request_seeds_depend_only_on_seed_step_and_prompt_and_never_overlap():
-    seeds = {(seed, step, i): remix_utils.request_seed(seed, step, i, 8)
-             for seed in (1, 2) for step in (1, 2, 3) for i in range(200)}
-    assert all(value % 8 == 0 and 0 <= value < 2**62 for value in seeds.values())  # children seed + 0..7
-    children = [value + j for value in seeds.values() for j in range(8)]
-    assert len(set(children)) == len(children)  # no two responses of the run share a seed
-    assert remix_utils.request_seed(1, 2, 3, 8) == seeds[(1, 2, 3)]  # a function of its arguments alone
-
-
-def test_sampler_is_weight_by_hand():
-    trainer = torch.tensor([-1.0, -0.2, -3.0])
-    sampler = torch.tensor([-1.5, -1.5, -2.0])
-    # e^0.5 = 1.6487 under the cap; e^1.3 = 3.669 cut to 2; e^-1 = 0.3679 kept
-    expected = torch.tensor([math.exp(0.5), 2.0, math.exp(-1.0)])
-    torch.testing.assert_close(remix.sampler_is_weight(trainer, sampler, 2.0), expected)
-
-
-def test_weights_scale_each_token_of_mix_ppg():
-    logp = torch.tensor([[-1.0, -2.0, -0.5]])
-    behaviour = logp - torch.tensor([[0.1, -0.1, 0.0]])
-    adv, mask = torch.tensor([[1.0, -2.0, 0.5]]), torch.ones(1, 3)
-    weights = torch.tensor([[0.5, 2.0, 1.0]])
-    ratio = torch.exp(logp - behaviour)
-    # no clipping at eps = 0.5 here: min(r A, clip(r) A) = r A, token mean of -w r A
-    expected = -(weights * ratio * adv).mean()
-    loss, _ = remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask, 0.5, weights)
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
-    assert remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask, 0.5)[0].item() == \
-        pytest.approx(-(ratio * adv).mean().item(), rel=1e-6)
-
-
-def test_sampler_mismatch_sums_by_hand():
-    fresh = [{"behaviour_logp": torch.tensor([-1.0, -2.0]), "sampler_logp": torch.tensor([-1.0, -1.0])},
-             {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": torch.tensor([-1.5]),
-              "sampler_weight": torch.tensor([2.0])},
-             {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": None}]  # the hf sampler: nothing to compare
-    gaps = [0.0, -1.0, 1.0]  # log pi_trainer - log pi_sampler on the three vLLM tokens
-    abs_sum, k3_sum, outside, weight_sum, count, largest = remix_utils.sampler_mismatch(fresh)
-    assert abs_sum == pytest.approx(2.0) and largest == pytest.approx(1.0) and count == 3
-    assert k3_sum == pytest.approx(sum(math.exp(g) - 1 - g for g in gaps))
-    assert outside == 2  # e^-1 = 0.37 and e^1 = 2.72 leave [0.5, 2]
-    assert weight_sum == pytest.approx(1.0 + 1.0 + 2.0)  # weight 1 where no correction is stored
-
-
-def test_update_releases_every_gradient(grpo_case):
-    _, policy, _ = rerun_update(grpo_case)
-    assert all(p.grad is None for p in policy.parameters())
+def test_gradient_checkpointing_acts_on_both_models_when_asked(tiny_model, train_file, tmp_path, monkeypatch):
+    plain = layer_calls_during_update(monkeypatch, tiny_model, train_file, tmp_path / "plain", False)
+    recomputed = layer_calls_during_update(monkeypatch, tiny_model, train_file, tmp_path / "ckpt", True)
+    assert plain["policy"] > 0 and plain["critic"] > 0
+    assert recomputed == collections.Counter({k: 2 * v for k, v in plain.items()})
 
 
 def test_critic_forward_builds_no_kv_cache(tiny_model):
@@ -1717,37 +1168,6 @@ def test_critic_forward_builds_no_kv_cache(tiny_model):
         remix.critic_forward(critic, mb)
         critic(input_ids=mb["input_ids"])  # the model's own default would keep one
     assert caches[0] is None and caches[1] is not None
-
-
-class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts dtype casts of tensors of one shape or its transpose (the output layer's weight)."""
-
-    def __init__(self, shape):
-        super().__init__()
-        self.shape, self.casts = tuple(shape), 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in (self.shape, self.shape[::-1]):
-            self.casts += 1
-        return func(*args, **(kwargs or {}))
-
-
-def test_the_output_layer_is_cast_once_per_forward_under_autocast(tiny_model, monkeypatch):
-    """A caller's bf16 autocast over fp32 weights: one cast of the [V, H] weight for five chunks, forward and
-    recompute (autocast's cache misses the chunks' w.T views: it used to cast ten times, and ten gradients back)."""
-    from transformers import AutoModelForCausalLM
-
-    monkeypatch.setattr(remix_utils, "LOGPROB_CHUNK", 8)
-    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
-    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": list(range(10, 50))}], "cpu")  # 5 chunks of 8
-    counter = CastCounter(policy.get_output_embeddings().weight.shape)
-    with counter, torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, entropy = remix.policy_forward(policy, mb, 1.0)
-        forward_casts = counter.casts
-        (logp.sum() + entropy.sum()).backward()
-    assert forward_casts == 1 and counter.casts == 2  # and the one cast's gradient back to fp32
-    plain = remix.policy_forward(policy, mb, 1.0)[0]  # and the chunks compute what one piece does, in bf16
-    assert (logp.float() - plain).abs().max().item() < 0.1
 
 
 def test_unsharded_restores_each_modules_reshard_setting(tiny_model):
@@ -1772,96 +1192,3 @@ def test_unsharded_restores_each_modules_reshard_setting(tiny_model):
         remix.policy_forward(policy, mb, 1.0)[0].sum().backward()
     root, layer = settings()[0], settings()[-1]  # modules() yields the root first
     assert root[1] == [True] and layer[1] == [False]  # the root stays whole after forward, the layers reshard
-
-
-def first_kl_to_reference(monkeypatch) -> list:
-    """Spies kl_convex_loss: the k3 KL to the reference of the first update micro-batch of the run."""
-    seen, real = [], remix.kl_convex_loss
-
-    def spy(logp, ref_logp, prox_logp, lam, mask):
-        if not seen:
-            seen.append(remix.masked_mean(remix.k3_kl(logp.detach().float(), ref_logp.float()), mask).item())
-        return real(logp, ref_logp, prox_logp, lam, mask)
-
-    monkeypatch.setattr(remix, "kl_convex_loss", spy)
-    return seen
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm"), ("ppo", "vllm")])
-def test_bf16_runs_in_one_process_with_kl_zero_before_the_first_update(algo, sampler, tiny_model, train_file,
-                                                                        tmp_path, monkeypatch):
-    """--precision bf16 on the CPU: the GPU's numerics (FSDP2 mixed precision over fp32 masters, a bf16 reference,
-    a bf16 vLLM engine). Before the first optimizer step the policy and the reference give the same log-probs."""
-    first = first_kl_to_reference(monkeypatch)
-    group = 2 if algo == "grpo" else 1
-    state = remix.train(tiny_args(tiny_model, train_file, tmp_path, algo=algo, sampler=sampler, precision="bf16",
-                                  group_size=group, steps=2, actor_lr=1e-3))
-    rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2] and rows[1]["batch/historical"] > 0
-    assert first[0] < 1e-5
-    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
-    assert next(state["reference"].parameters()).dtype == torch.bfloat16
-    assert next(state["policy"].parameters()).dtype == torch.float32  # the masters
-    if sampler == "vllm":
-        assert state["llm"].llm_engine.model_config.dtype == torch.bfloat16
-        assert rows[0]["mismatch/abs_log_ratio_mean"] > 0  # a bf16 engine against the trainer's own bf16 passes
-
-
-@pytest.mark.slow
-def test_bf16_under_torchrun_with_kl_zero_before_the_first_update(tiny_model, train_file, tmp_path):
-    """Two processes, FSDP2 mixed precision over gloo, bf16 vLLM engines: step 1 takes one optimizer step on the
-    whole batch, so its logged kl/ref is the token mean over micro-batches that all ran before any update."""
-    out = tmp_path / "run"
-    done = torchrun(*remix_cli(tiny_model, train_file, out, "--algo", "ppo", "--sampler", "vllm", "--precision", "bf16",
-                               "--utd", "1", "--mini-batch-prompts", "10", "--steps", "2", "--actor-lr", "1e-3"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2] and rows[0]["train/optimizer_steps"] == 1
-    assert rows[0]["kl/ref"] < 1e-5 < rows[1]["kl/ref"]
-    assert rows[0]["mismatch/abs_log_ratio_mean"] > 0
-
-
-@pytest.mark.slow
-def test_fp32_has_kl_zero_before_the_first_update_too(tiny_model, train_file, tmp_path, monkeypatch):
-    first = first_kl_to_reference(monkeypatch)
-    remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="ppo", steps=1))
-    assert first[0] < 1e-5
-
-
-@pytest.mark.slow
-def test_sampler_correction_weights_are_stored_replayed_and_reach_the_loss(tiny_model, train_file, tmp_path,
-                                                                           monkeypatch):
-    seen, real = [], remix.mix_ppg_loss
-
-    def spy(*args, **kwargs):
-        seen.append(args[6])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(remix, "mix_ppg_loss", spy)
-    batches = {}
-
-    def on_step(step, record, policy, tokenizer, batch):
-        batches[step] = [(s, s["sampler_weight"].clone()) for s in batch]
-
-    cap = 1.0  # on CPU the fp32 engine and the trainer agree to about 1e-6: a cap of 1 binds on about half the tokens
-    remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="grpo", sampler="vllm", group_size=2, steps=2,
-                          sampler_is_cap=cap), on_step=on_step)
-    rows = read_metrics(tmp_path)
-    fresh = [s for s, _ in batches[1]]
-    for s in fresh:
-        expected = torch.exp(s["behaviour_logp"] - s["sampler_logp"]).clamp(max=cap)
-        torch.testing.assert_close(s["sampler_weight"], expected)
-    weights = torch.cat([s["sampler_weight"] for s in fresh])
-    assert (weights == cap).any() and (weights < cap).any()
-    assert rows[0]["mismatch/is_weight_mean"] == pytest.approx(weights.mean().item(), rel=1e-5)
-    replayed = [(s, w) for s, w in batches[2] if s["version"] == 1]
-    assert replayed and all(torch.equal(s["sampler_weight"], w) for s, w in replayed)
-    assert all(w is not None for w in seen)  # every Mix-PPG call was weighted
-
-
-def test_sampler_correction_needs_vllm(tiny_model, train_file, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, sampler="hf", sampler_is_cap=2.0))
-    assert exit_info.value.code == 2
-    assert "--sampler-is-cap needs a cap > 0 and --sampler vllm" in capsys.readouterr().err

@@ -171,13 +171,13 @@ def micro_batch(model_path: Path, lengths: list[int], checkpointing: bool) -> tu
 
 
 def tensor_parallel(model: Path, data: Path, out: Path) -> dict:
-    """Two ranks of one vLLM engine (--vllm-tp 2): identical token ids on both (test_remix's own driver)."""
+    """Two ranks of one vLLM engine (--vllm-tp 2): identical token ids on both (test_runs.py's own driver)."""
     root = Path(__file__).resolve().parent.parent
     flags = ["--model", str(model), "--dataset", str(data), "--out", str(out / "tp"), "--algo", "grpo", "--steps", "2",
              "--prompts-per-step", "10", "--group-size", "2", "--max-response-tokens", "128", "--sampler", "vllm",
              "--vllm-tp", "2", "--save-every", "0", "--vllm-gpu-memory-utilization", "0.3"]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(root / "test_remix.py"), "engine-tokens", str(out / "tp"), *flags],
+                           str(root / "test_runs.py"), "engine-tokens", str(out / "tp"), *flags],
                           capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     if done.returncode != 0:
         return {"ok": False, "error": done.stderr[-2000:]}

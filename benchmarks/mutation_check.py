@@ -4,10 +4,11 @@
     python benchmarks/mutation_check.py --list     # the mutants only
     python benchmarks/mutation_check.py NAME ...   # some of them
 
-Each mutant replaces one exact piece of remix.py (the piece must occur exactly once, so a reshaped loop
-makes this script fail loudly until its mutant is updated). The fast tests are test_remix.py without the
-`slow` ones (no subprocesses, vLLM or torchrun): the spied steps and the loop's behaviour tests run
-first, then the rest; the first failing test is reported.
+Each mutant replaces one exact piece of remix.py or remix_utils.py (the piece must occur exactly once, so a
+reshaped loop makes this script fail loudly until its mutant is updated; a slow test checks that every mutant
+still applies). The fast tests are test_remix.py and test_runs.py without the `slow` ones (no subprocesses,
+vLLM or torchrun): the spied steps and the loop's behaviour tests run first, then the rest; the first failing
+test is reported.
 """
 
 import os
@@ -20,14 +21,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ("remix.py", "remix_utils.py", "test_remix.py", "tiny_model.py", "pytest.ini")
+FILES = ("remix.py", "remix_utils.py", "test_remix.py", "test_runs.py", "conftest.py", "tiny_model.py", "pytest.ini")
 LOOP_TESTS = "spied or further or entropy_bonus or kl_coefficient or unpadded or uniform_over or token_budgets"
 
 # name -> (file, exact original text, mutated text)
 MUTANTS = {
-    "ref log-probs where prox belongs in Mix-PPG": (
+    "mu where pi_k belongs in Mix-PPG (the clip centred at 1)": (
         "remix.py", "mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights)",
-        "mix_ppg_loss(logp, behaviour, ref, adv, mask, args.clip_eps, weights)"),
+        "mix_ppg_loss(logp, behaviour, behaviour, adv, mask, args.clip_eps, weights)"),
     "ref and prox swapped in KL-Convex": (
         "remix.py", "klc = kl_convex_loss(logp, ref, prox, lam, mask)", "klc = kl_convex_loss(logp, prox, ref, lam, mask)"),
     "PPO advantages not whitened": (
@@ -42,15 +43,15 @@ MUTANTS = {
         "remix.py", "policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta)",
         "policy_objective(pg_loss, -entropy, klc, args.ent_coef, args.kl_beta)"),
     "later UTD passes counted but not stepped": (
-        "remix.py", "            for optim in filter(None, optimizers):\n                optim.step()",
-        "            for optim in filter(None, optimizers) if epoch == 0 else ():\n                optim.step()"),
+        "remix.py", "            optimizer_step(models, optimizers, logged,",
+        "            optimizer_step(models, optimizers if epoch == 0 else (), logged,"),
     "reference log-probs computed with the policy": (
         "remix.py", '(("behaviour_logp", policy), ("ref_logp", reference))', '(("behaviour_logp", policy), ("ref_logp", policy))'),
     "pi_k on history computed with the reference": (
         "remix.py", "prox_and_values(fresh, history, policy, critic, args, device, work)",
         "prox_and_values(fresh, history, reference, critic, args, device, work)"),
     "stored behaviour log-probs ignored in the loss (mu := pi_k)": (
-        "remix.py", '("behaviour_logp", "prox_logp", "ref_logp", "advantages")', '("prox_logp", "prox_logp", "ref_logp", "advantages")'),
+        "remix.py", '("behaviour_logp", "prox_logp", "advantages")', '("prox_logp", "prox_logp", "advantages")'),
     "stored behaviour log-probs ignored in the traces (every c = 1)": (
         "remix.py", 'behaviour, prox = padded(batch, "behaviour_logp"), padded(batch, "prox_logp")',
         'behaviour, prox = padded(batch, "prox_logp"), padded(batch, "prox_logp")'),
@@ -68,7 +69,7 @@ MUTANTS = {
     "critic trained toward its old values": (
         "remix.py", 'padded(micro, "value_targets").to(device), mask, args.value_clip)', 'padded(micro, "values").to(device), mask, args.value_clip)'),
     "micro-batch token weighting dropped": (
-        "remix.py", "weight = mask.sum() / tokens.to(device) * world()", "weight = 1.0 * world()"),
+        "remix.py", "share = aggregation(mask)[1] / size", "share = torch.tensor(1.0)"),
     "draw_history takes the newest groups": (
         "remix.py", "return random.sample(stored, min(n_groups, len(stored)))",
         "return stored[len(stored) - min(n_groups, len(stored)):]"),
@@ -111,12 +112,13 @@ MUTANTS = {
 def run(work: Path, expression: str) -> str | None:
     """The first failing test's name, or None."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:logging", "--tb=no", "-rf",
-                           "-m", "not slow", "-k", expression, "test_remix.py"], cwd=work, capture_output=True, text=True,
+                           "-m", "not slow", "-k", expression, "test_remix.py", "test_runs.py"], cwd=work,
+                          capture_output=True, text=True,
                           env=dict(os.environ, REMIX_DATA=str(ROOT.parent / "shared" / "data"), HF_HUB_OFFLINE="1"))
     if done.returncode == 5:  # no test selected
         return None
-    failed = re.findall(r"^FAILED test_remix\.py::(\S+)", done.stdout, re.M)
-    errors = re.findall(r"^ERROR test_remix\.py::(\S+)", done.stdout, re.M)
+    failed = re.findall(r"^FAILED test_\w+\.py::(\S+)", done.stdout, re.M)
+    errors = re.findall(r"^ERROR test_\w+\.py::(\S+)", done.stdout, re.M)
     if done.returncode != 0 and not failed and not errors:
         return "(collection error or crash)"
     return (failed or errors or [None])[0]

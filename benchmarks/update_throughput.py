@@ -37,13 +37,9 @@ GIB = 2**30
 CONFIGS = {"before": (1, False), "budget only": (16384, False), "after": (16384, True)}  # (token budget, chunked)
 
 
-def full_logits(hidden, weight, targets, temperature, chunk=None):
-    """The computation remix.py used before: logits, log-softmax and entropy of every token in one piece."""
-    import torch
-
-    log_probs = torch.log_softmax((hidden @ weight.T).float() / temperature, dim=-1)  # [N, V]
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return torch.stack([log_probs.gather(-1, targets[:, None])[:, 0], entropy], dim=-1)
+def full_logits(hidden, weight, targets, per_token, chunk=None):
+    """The computation remix.py used before: the whole [N, V] logits in one piece."""
+    return per_token(hidden @ weight.T, targets)
 
 
 def qwen(vocab: int, hidden: int, layers: int, seed: int = 0):

@@ -1,0 +1,947 @@
+"""Tests of remix.py as a program: end to end with real vLLM (CPU build), the command line, crashes and bad input,
+the grader from any caller, a new user's first hour, several processes under torchrun, the GPU's numerics
+(--precision bf16) on the CPU, the benchmarks' own scripts, and the forks of docs/forks. The method's formulas
+and the spied loop are in test_remix.py, whose helpers these tests share.
+
+    pytest -q test_runs.py
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import remix  # noqa: E402
+import remix_utils  # noqa: E402
+
+
+from test_remix import (DATA, HERE, full_state, prepared_update_case, read_metrics, run_update,  # noqa: E402
+                        tiny_args, wait_into_step_3)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: real vLLM (CPU build), the command line
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
+    """Real vLLM: every step logged, the pushed weights are the trainer's, checkpoints reload."""
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = tmp_path / "ppo"
+    state = remix.train(tiny_args(tiny_model, train_file, out, algo="ppo", sampler="vllm", actor_lr=1e-3))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["perf/weight_sync_s"] > 0 for r in rows)
+    llm, policy, tokenizer = state["llm"], state["policy"], state["tokenizer"]
+    prompt = remix.build_prompt(tokenizer, "What is 1+1?")
+
+    def engine_vs(model, engine):
+        gen = engine.generate([TokensPrompt(prompt_token_ids=prompt)],
+                              SamplingParams(n=4, temperature=1.0, max_tokens=24, logprobs=0, seed=0), use_tqdm=False)
+        diffs = []
+        for c in gen[0].outputs:
+            sample = {"prompt_ids": prompt, "response_ids": list(c.token_ids)}
+            mine, _ = remix.policy_forward(model, remix.collate([sample], "cpu"), 1.0)
+            theirs = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
+            diffs.append((mine[0].detach() - theirs).abs().max().item())
+        return max(diffs)
+
+    with torch.no_grad():
+        assert engine_vs(policy, llm) < 1e-4  # after the last push the engine is the trainer
+        base = AutoModelForCausalLM.from_pretrained(tiny_model)
+        assert engine_vs(base, llm) > 1e-3  # and it is not the base model any more
+    # the checkpoint reloads in transformers (same logits) and in vLLM (same log-probs)
+    ckpt = out / "checkpoint-3"
+    reloaded = AutoModelForCausalLM.from_pretrained(str(ckpt))
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), full_state(policy).values()))
+    assert (ckpt / "critic" / "config.json").exists()
+    del state, llm
+    engine = LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0)
+    with torch.no_grad():
+        assert engine_vs(reloaded, engine) < 1e-4
+    del engine
+
+    out = tmp_path / "grpo"
+    remix.train(tiny_args(tiny_model, train_file, out, algo="grpo", sampler="vllm", prompts_per_step=4, group_size=4))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(8, 0), (8, 8), (8, 8)]
+
+
+@pytest.mark.slow
+def test_cli_runs_and_rejects_bad_flags(tiny_model, train_file, tmp_path):
+    cmd = [sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
+           "--out", str(tmp_path / "cli"), "--steps", "1", "--prompts-per-step", "4", "--max-response-tokens", "8",
+           "--sampler", "hf"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(read_metrics(tmp_path / "cli")) == 1
+    bad = subprocess.run(cmd[:-2] + ["--off-policy-p", "1.5"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--off-policy-p must be in [0, 1)" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Crashes and bad input
+# ----------------------------------------------------------------------------------------------
+def cli(model, data, out, *extra, sampler="hf") -> list[str]:
+    return [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out),
+            "--sampler", sampler, "--algo", "ppo", "--steps", "6", "--prompts-per-step", "10", "--max-response-tokens",
+            "24", "--mini-batch-prompts", "4", "--save-every", "2", "--keep-last", "2",
+            "--seed", "5", *extra]
+
+
+def comparable(row: dict) -> dict:
+    """Everything but wall-clock timings; floats to 1e-4 relative (1e-7 absolute): a resumed process computes
+    on freshly loaded tensors, whose memory layout can change the CPU kernels' summation order, a drift of
+    about 1e-7 in the log-probs that the KL terms (about 1e-5) show most."""
+    return {k: pytest.approx(v, rel=1e-4, abs=1e-7) if isinstance(v, float) else v for k, v in row.items()
+            if not k.startswith("perf/")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", ["hf", "vllm"])
+def test_resume_after_sigkill_matches_an_uninterrupted_run(sampler, tiny_model, train_file, tmp_path):
+    """vLLM too: every request's seed is a function of (seed, step, prompt), so a new engine resamples the same."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    subprocess.run(cli(tiny_model, train_file, tmp_path / "straight", sampler=sampler), check=True, env=env,
+                   capture_output=True, timeout=600)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(cli(tiny_model, train_file, out, sampler=sampler), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    wait_into_step_3(proc, out, 0.4)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "checkpoint-6").exists(), "the run finished before it was killed"
+    done = subprocess.run([sys.executable, str(HERE / "remix.py"), "--resume", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming" in done.stdout
+    resumed, straight = read_metrics(out), read_metrics(tmp_path / "straight")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # every step once
+    # the deque, optimizer, RNG and data position were restored: the same numbers as without the crash
+    assert [comparable(r) for r in straight] == [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in resumed]
+    assert resumed[2]["batch/historical"] == 4 and resumed[2]["replay/deque_size"] == 2
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]  # --keep-last 2
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(remix.Args(resume=str(tmp_path / "empty")))
+    assert exit_info.value.code == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, overrides, message", [
+    ("model", {"model": "/no/such/model"}, "model folder '/no/such/model' does not exist"),
+    ("p", {"off_policy_p": 1.0}, "--off-policy-p must be in [0, 1), got 1.0"),
+    ("p-negative", {"off_policy_p": -0.1}, "--off-policy-p must be in [0, 1), got -0.1"),
+    ("window", {"window": 0}, "--window must be at least 1, got 0"),
+    ("utd", {"utd": 0}, "--utd must be at least 1, got 0"),
+    ("reincarnate", {"reincarnate_step": -1}, "--reincarnate-step must be >= 0, got -1"),
+    ("groups", {"prompts_per_step": 1, "off_policy_p": 0.4}, "cannot split into whole fresh and historical groups"),
+    ("max-response", {"max_response_tokens": 0}, "--max-response-tokens must be at least 1, got 0"),
+    ("grpo-group", {"algo": "grpo", "group_size": 1}, "--algo grpo needs --group-size >= 2"),
+    ("temperature", {"temperature": 0.0}, "--temperature must be > 0 in training"),
+    ("tp", {"vllm_tp": 2}, "--vllm-tp 2 must divide the 1 processes"),
+])
+def test_bad_flags_get_one_clear_line(tiny_model, train_file, tmp_path, capsys, case, overrides, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(tiny_args(overrides.pop("model", tiny_model), train_file, out, **overrides))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("remix: error: ") and message in err[0]
+    assert not out.exists()  # nothing written
+
+
+def one_line_exit(capsys, call, message: str):
+    """call() stops with exit code 2 and one stderr line containing message."""
+    with pytest.raises(SystemExit) as exit_info:
+        call()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_datasets_load_from_parquet_and_json_lists_and_name_what_is_wrong(tmp_path, capsys):
+    import pandas as pd
+
+    rows = [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "d.parquet")
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    (tmp_path / "bad.json").write_text("[{\"problem\": 1,")
+    for name in ("d.parquet", "d.json"):
+        assert remix_utils.load_problems(str(tmp_path / name), "problem", "answer") == [("1+1?", "2"), ("2+2?", "4")]
+    one_line_exit(capsys, lambda: remix_utils.load_problems(str(tmp_path / "bad.json"), "problem", "answer"),
+                  "is not valid JSON")
+    stream = remix_utils.prompt_stream([("a long problem", "1")], lambda text: [0] * len(text), 3, seed=0)
+    one_line_exit(capsys, lambda: next(stream), "every prompt is longer than --max-prompt-tokens 3")
+
+
+def test_resume_refusals_get_one_line(tmp_path, capsys):
+    one_line_exit(capsys, lambda: remix_utils.load_trainer_state(str(tmp_path / "nowhere")), "no such run folder")
+    args = remix.Args(resume=str(tmp_path), steps=3)
+    one_line_exit(capsys, lambda: remix_utils.resume_args(args, dataclasses.asdict(remix.Args()), 5),
+                  "the run has finished 5 steps, more than --steps 3")
+
+
+def test_a_model_folder_without_a_model_and_a_missing_vllm_get_one_line(tmp_path, capsys, monkeypatch):
+    remix_utils.init_distributed()
+    one_line_exit(capsys, lambda: remix.load_models(remix.Args(model=str(tmp_path)), torch.device("cpu")),
+                  f"cannot load model {str(tmp_path)!r}")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    one_line_exit(capsys, lambda: remix_utils.make_vllm(remix.Args(), torch.device("cpu"), "float32"),
+                  "vLLM is not installed")
+
+
+def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
+    """Python drops an exception raised in a __del__ and reports it to sys.unraisablehook: the hook stays quiet
+    about the interrupt, the flag remembers it, and the loop's next check raises it."""
+    monkeypatch.setattr(remix_utils, "_interrupt", {"seen": False})
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        remix_utils.catch_interrupts()
+        reported = []
+        sys.unraisablehook.__defaults__ = (lambda report: reported.append(report),)
+
+        class Finaliser:
+            def __del__(self):
+                signal.raise_signal(signal.SIGINT)
+
+        Finaliser()  # the SIGINT lands in __del__: its KeyboardInterrupt is dropped
+        assert remix_utils.interrupted() and reported == []
+        with pytest.raises(KeyboardInterrupt):
+            remix_utils.check_interrupted()
+        sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("other")))
+        assert len(reported) == 1  # anything else still goes to the default hook
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "columns", "broken"])
+def test_bad_dataset_gets_one_clear_line(tiny_model, tmp_path, capsys, case):
+    path = tmp_path / "data.jsonl"
+    if case == "empty":
+        path.write_text("")
+    elif case == "columns":
+        path.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
+    elif case == "broken":
+        path.write_text('{"problem": "1+1?", "answer": "2"}\n{not json\n')
+    with pytest.raises(SystemExit):
+        remix.train(tiny_args(tiny_model, str(path), tmp_path / "out"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("remix: error: ")
+    expected = {"missing": "does not exist", "empty": "is empty", "columns": "['question', 'solution']",
+                "broken": "line 2 is not valid JSON"}[case]
+    assert expected in err[0] and str(path) in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("response", [
+    "\\boxed{10^{10^{10^{10}}}}",
+    "\\boxed{" + "\\frac{1}{" * 700 + "2" + "}" * 700 + "}",  # about 5,000 characters
+    "the answer is \\boxed{\\frac{1}{2}",
+    "\\boxed{\x00\x01\x02\xff\xfe}",
+    "",
+])
+def test_math_reward_never_hangs_or_raises(response):
+    """A hang guard, not a speed claim: 4 s of grading, plus about 2 s to start a fresh worker (imports
+    included) when the previous input's timeout killed the last one."""
+
+    start = time.perf_counter()
+    assert remix.math_reward(response, "1") == 0.0
+    assert time.perf_counter() - start < 10.0
+
+
+def test_grader_failures_are_counted_in_the_step(tiny_model, train_file, tmp_path, monkeypatch):
+    """The real loop with a sampler that always answers with a number too large to compare."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    stuck = tokenizer("\\boxed{10^{10^{10^{10}}}}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    fine = tokenizer("\\boxed{7}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+
+    def sampler(policy, tok, prompts, n, args, device):
+        return [[(stuck if i == 0 else fine, "stop", None) for _ in range(n)] for i in range(len(prompts))]
+
+    monkeypatch.setattr(remix, "hf_generate", sampler)
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=1, prompts_per_step=3, off_policy_p=0.0,
+                          grade_timeout=3.0))
+    row = read_metrics(tmp_path)[0]
+    assert row["grader/failures"] == 1 and row["grader/no_boxed"] == 0
+
+
+def test_non_finite_updates_stop_the_run_and_keep_the_last_good_checkpoint(tiny_model, train_file, tmp_path,
+                                                                           monkeypatch, capsys):
+    step = {"now": 0}
+    schedule, loss = remix.kl_convex_lambda, remix.mix_ppg_loss
+
+    def lam(t, *rest):  # called once a step with the step number
+        step["now"] = t
+        return schedule(t, *rest)
+
+    def poisoned(*a, **k):
+        value, stats = loss(*a, **k)
+        return (value * float("nan") if step["now"] >= 3 else value), stats
+
+    monkeypatch.setattr(remix, "kl_convex_lambda", lam)
+    monkeypatch.setattr(remix, "mix_ppg_loss", poisoned)
+    with pytest.raises(SystemExit):
+        remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=5, save_every=1, keep_last=0))
+    err = capsys.readouterr().err
+    assert "3 non-finite updates in a row at step 3" in err and err.count("update skipped") == 3
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-2"))
+    assert all(torch.isfinite(p).all() for p in reloaded.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# The grader from any caller; a checkpoint that cannot be written
+# ----------------------------------------------------------------------------------------------
+GRADE = ("import sys, time; sys.path.insert(0, {here!r}); import remix; start = time.perf_counter(); "
+         "print(remix.math_reward('so \\\\boxed{{2}}', '2'), remix.math_reward('\\\\boxed{{3}}', '2'), "
+         "round(time.perf_counter() - start, 1))")
+
+
+def double(x):
+    return 2 * x
+
+
+def explode(x):
+    raise ValueError(f"bad item {x}")
+
+
+def vanish(x):
+    os._exit(3)
+
+
+@pytest.mark.slow
+def test_a_failing_or_vanishing_worker_function_stops_with_its_error():
+    with pytest.raises(RuntimeError, match="explode failed in a worker process: ValueError: bad item 1"):
+        remix_utils.map_with_deadline(explode, [(1,)], 1, 10.0, None)
+    with pytest.raises(RuntimeError, match="a worker process for vanish exited"):
+        remix_utils.map_with_deadline(vanish, [(1,)], 1, 10.0, None)
+    remix_utils.close_pool()
+
+
+def test_a_worker_function_must_be_importable(monkeypatch):
+    main = types.ModuleType("__main__")  # an interactive session's __main__ has no file
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    exec("def typed_in(x):\n    return x", main.__dict__)
+    with pytest.raises(ValueError, match="must live in an importable file"):
+        remix_utils.map_with_deadline(main.typed_in, [(1,)], 1, 10.0, None)
+
+
+@pytest.mark.slow
+def test_worker_pool_runs_the_function_it_is_given():
+    """Workers outlive a call; a call with another function must not get the old function's answers."""
+    assert remix.grade_many([("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
+    assert remix_utils.map_with_deadline(double, [(3,), (4,)], 2, 10.0, None) == [6, 8]
+    assert remix.grade_many([("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["script-with-guard", "script-without-guard", "python-c", "stdin", "interactive"])
+def test_math_reward_works_from_every_kind_of_caller(shape, tmp_path):
+    code = GRADE.format(here=str(HERE))
+    script = tmp_path / "caller.py"
+    script.write_text(f"if __name__ == '__main__':\n    {code}\n" if shape == "script-with-guard" else code + "\n")
+    argv, stdin = {"script-with-guard": ([str(script)], None), "script-without-guard": ([str(script)], None),
+                   "python-c": (["-c", code], None), "stdin": (["-"], code + "\n"),
+                   "interactive": (["-i", "-q"], code + "\n")}[shape]
+    done = subprocess.run([sys.executable, *argv], input=stdin, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    right, wrong, seconds = done.stdout.split()[-3:]
+    assert (right, wrong) == ("1.0", "0.0")
+    assert float(seconds) < 10.0  # a hang guard (worker start-up included), not a speed claim
+
+
+def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tiny_model, train_file, tmp_path, monkeypatch,
+                                                                    capsys):
+    import errno
+
+    from transformers import AutoModelForCausalLM
+
+    real_save = torch.save
+
+    def full_disk(obj, path, *a, **k):  # the policy and optimizer of checkpoint-2 are written, then the disk is full
+        if "checkpoint-2" in str(path) and str(path).endswith("trainer_state.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=3, save_every=1, keep_last=0))
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines()
+           if line.strip() and not re.match(r"remix:\s+\d+%", line)]  # all but the progress bar
+    assert len(err) == 1 and "cannot write checkpoint" in err[0] and str(tmp_path / "checkpoint-2") in err[0]
+    assert "No space left on device" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]  # no .tmp left
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-1"))
+    assert all(torch.isfinite(p).all() for p in reloaded.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# A new user's first hour: fast clear failures, Ctrl-C, files that are not clobbered, quiet logs
+# ----------------------------------------------------------------------------------------------
+def run_remix(*argv, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.run([sys.executable, str(HERE / "remix.py"), *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+def one_error_line(done: subprocess.CompletedProcess, text: str):
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("remix: error: ") and text in lines[0], \
+        done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_mistyped_local_model_folder_fails_in_seconds(tmp_path, train_file):
+    (tmp_path / "runs").mkdir()
+
+    start = time.perf_counter()
+    done = run_remix("--model", "runs/tiny-qwen3", "--dataset", train_file, cwd=tmp_path, env={"HF_HUB_OFFLINE": None})
+    one_error_line(done, "model folder 'runs/tiny-qwen3' does not exist")
+    done = run_remix("--model", "my model", "--dataset", train_file, cwd=tmp_path, env={"HF_HUB_OFFLINE": None})
+    one_error_line(done, "model folder 'my model' does not exist")
+    assert time.perf_counter() - start < 60  # a hang guard: the hub's retries took 50 s for each
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offline", [False, True])
+def test_hub_ids_without_the_hub_fail_in_seconds(tmp_path, offline):
+    # no cache in HF_HOME; the endpoint is a closed local port, so this also holds on a machine with a network
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1" if offline else None}
+    done = run_remix("--steps", "350", "--out", str(tmp_path / "out"), env=env, timeout=120)
+    one_error_line(done, "HF_HUB_OFFLINE" if offline else "cannot be reached")
+    if not offline:
+        assert "--model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" in done.stderr and "HF_HUB_OFFLINE=1" in done.stderr
+    eval_done = subprocess.run([sys.executable, str(HERE / "eval.py"), "--model", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"],
+                               capture_output=True, text=True, timeout=120,
+                               env={k: v for k, v in {**os.environ, **env}.items() if v is not None})
+    lines = eval_done.stderr.strip().splitlines()
+    assert eval_done.returncode == 2 and len(lines) == 1 and lines[0].startswith("eval: error: "), eval_done.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_an_existing_run_is_not_clobbered(tiny_model, train_file, tmp_path):
+    out = tmp_path / "run"
+    base = ["--model", tiny_model, "--dataset", train_file, "--out", str(out), "--sampler", "hf", "--algo", "grpo",
+            "--prompts-per-step", "4", "--group-size", "2", "--max-response-tokens", "8"]
+    assert run_remix(*base, "--steps", "2").returncode == 0
+    before = (out / "metrics.jsonl").read_text()
+    one_error_line(run_remix(*base, "--steps", "1"), f"--out {out} already holds a run")
+    assert (out / "metrics.jsonl").read_text() == before and len(list((out / "tb").iterdir())) == 1
+    # --resume with a larger --steps extends the finished run; other flags are named as ignored
+    done = run_remix("--resume", str(out), "--steps", "3", "--actor-lr", "0.5")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ignored: --actor-lr" in done.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    done = run_remix("--resume", str(out))  # nothing left to do: it says so and starts nothing
+    assert done.returncode == 0 and "has finished all 3 steps" in done.stdout
+    # --overwrite replaces the old run
+    assert run_remix(*base, "--steps", "1", "--overwrite").returncode == 0
+    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"] and len(list((out / "tb").iterdir())) == 1
+
+
+def child_pids(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.3, 0.9, 1.6])
+def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, delay):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, at several points after step 1."""
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
+                             "--out", str(out), "--sampler", "hf", "--algo", "ppo", "--steps", "50", "--save-every", "1",
+                             "--prompts-per-step", "10", "--max-response-tokens", "24"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    deadline = time.time() + 240
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+    time.sleep(delay)
+    workers = child_pids(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)  # never a hang
+    assert proc.returncode == 130
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not line.startswith("remix: ")
+             or line.startswith("remix: interrupted")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    step = int(lines[0].split("interrupted at step ")[1].split(";")[0])
+    assert step in (len(read_metrics(out)), len(read_metrics(out)) + 1)  # while saving it, or in the next step
+    found = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    if found:
+        assert f"the last checkpoint is {found[-1]}; continue with --resume {out}" in lines[0]
+    else:  # interrupted while step 1 was being saved
+        assert "the last checkpoint is none yet; nothing to resume" in lines[0]
+    time.sleep(0.5)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)  # the grader workers are gone
+
+
+@pytest.mark.slow
+def test_a_vllm_run_is_quiet_and_its_progress_bar_is_in_step(tiny_model, train_file, tmp_path):
+    out = tmp_path / "run"
+    done = run_remix("--model", tiny_model, "--dataset", train_file, "--out", str(out), "--algo", "ppo", "--steps", "3",
+                     "--prompts-per-step", "10", "--max-response-tokens", "16", "--reincarnate-step", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    segments = [s for s in done.stderr.replace("\r", "\n").splitlines() if s.strip()]
+    bar = [s for s in segments if re.match(r"remix:\s+\d+%", s)]
+    noise = [s for s in segments if s not in bar]
+    # on CPU torch itself prints one NUMA line when vLLM binds memory; nothing else may appear
+    assert len(noise) <= 1 and all("NUMA" in s for s in noise), noise
+    assert "Failed to load weights" not in done.stderr and "MISSING" not in done.stderr + done.stdout
+    assert done.stdout.count("critic: the base model with a new scalar value head") == 1
+    totals = {r["step"]: r["rollouts/total"] for r in read_metrics(out)}
+    shown = [(int(m.group(1)), int(m.group(2))) for s in bar for m in [re.search(r"(\d+)/3 \[.*rollouts=(\d+)", s)] if m]
+    assert shown and all(totals[step] == rollouts for step, rollouts in shown), shown  # never a step behind
+    assert shown[-1] == (3, totals[3])
+
+
+@pytest.mark.slow
+def test_help_shows_one_default_per_flag():
+    done = subprocess.run([sys.executable, str(HERE / "remix.py"), "--help"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, COLUMNS="120"))
+    text = done.stdout
+    for flag, following, default in (("--prompts-per-step", "--group-size", "(default: 256 for PPO, 128 for GRPO)"),
+                                     ("--group-size", "--off-policy-p", "(default: 1 for PPO, 8 for GRPO)")):
+        entry = text[text.index(flag) : text.index(following, text.index(flag) + len(flag))]
+        entry = " ".join(entry.replace("│", " ").split())
+        assert entry.count("(default:") == 1 and default in entry, entry
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes: torchrun with FSDP2 on CPU (gloo), 2 processes
+# ----------------------------------------------------------------------------------------------
+def torchrun(*argv, timeout=600, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(29500 + os.getpid() % 1000), *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_two_processes_make_the_same_update_as_one(algo, tiny_model, train_file, tmp_path):
+    case = prepared_update_case(tiny_model, train_file, tmp_path / "run", algo)
+    assert case["lam"] < 1 and any(s["version"] < case["step"] for s in case["batch"])  # history in it
+    # Adam moves a weight by about lr whatever its gradient's size, so summation-order noise on a gradient near
+    # zero can shift it by up to lr: compare at lr 1e-4 (about 1e-6 of such noise), not the run's 1e-3
+    case["args"].update(actor_lr=1e-4, critic_lr=1e-4)
+    torch.save(case, tmp_path / "case.pt")
+    one, one_stats = run_update(case)
+    done = torchrun(str(HERE / "test_runs.py"), "update", str(tmp_path / "case.pt"), str(tmp_path / "two.pt"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    two, two_stats = torch.load(tmp_path / "two.pt", weights_only=False)
+    assert set(one) == set(two)
+    for name in one:
+        moved = max((one[name][k] - case[name][k]).abs().max().item() for k in one[name])
+        assert moved > 1e-4  # the update changed the weights
+        for key in one[name]:
+            torch.testing.assert_close(two[name][key], one[name][key], rtol=0, atol=1e-5)
+    assert set(one_stats) == set(two_stats)
+    for key in one_stats:
+        assert two_stats[key] == pytest.approx(one_stats[key], rel=1e-4, abs=1e-6), key
+
+
+def distributed_main(argv: list[str]):
+    """torchrun --nproc-per-node 2 test_remix.py update CASE.pt OUT.pt"""
+
+    full, stats = run_update(torch.load(argv[1], weights_only=False))
+    if remix_utils.rank() == 0:
+        torch.save((full, stats), argv[2])
+    remix_utils.barrier()
+    os._exit(0)  # skip the process group's teardown, which can abort at exit
+
+
+def engine_tokens_main(argv: list[str]):
+    """torchrun --nproc-per-node 2 test_remix.py engine-tokens OUT REMIX_FLAGS...: remix.train with the token ids of
+    every vLLM call saved per rank (OUT/engine-tokens-rankR.pt), to compare the ranks of one engine."""
+    import tyro
+
+    calls, real = [], remix.vllm_generate
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append([[ids for ids, _, _ in group] for group in result])
+        return result
+
+    remix.vllm_generate = spy
+    remix.train(tyro.cli(remix.Args, args=argv[2:]))
+    torch.save(calls, Path(argv[1]) / f"engine-tokens-rank{remix_utils.rank()}.pt")
+    remix_utils.barrier()
+    os._exit(0)
+
+
+def timeout_main(argv: list[str]):
+    """torchrun --nproc-per-node 2 test_remix.py timeout SECONDS: rank 1 enters a barrier SECONDS late; rank 0 reports
+    how long it waited before its barrier gave up."""
+    import torch.distributed as dist
+
+    remix_utils.init_distributed(timeout_minutes=0.05)  # 3 s
+    start = time.time()
+    if dist.get_rank() == 1:
+        time.sleep(float(argv[1]))
+        os._exit(0)
+    try:
+        dist.barrier()
+        print("WAITED", time.time() - start, "no error", flush=True)
+    except Exception as error:  # gloo: a timeout error from the barrier
+        print("WAITED", time.time() - start, type(error).__name__, flush=True)
+    os._exit(0)
+
+
+def remix_cli(model, data, out, *extra) -> list[str]:
+    return [str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out), "--steps", "4",
+            "--reincarnate-step", "2", "--prompts-per-step", "10", "--max-response-tokens", "16",
+            "--mini-batch-prompts", "3", "--save-every", "2", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm"), ("ppo", "vllm")])
+def test_torchrun_two_processes_end_to_end(algo, sampler, tiny_model, train_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    group = 2 if algo == "grpo" else 1
+    done = torchrun(*remix_cli(tiny_model, train_file, out, "--algo", algo, "--sampler", sampler, "--group-size",
+                               str(group)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # each step once: one process writes
+    assert len(list((out / "tb").iterdir())) == 1
+    # 10 prompts over 2 processes: 6 fresh + 4 historical during the mix stage, 10 fresh after T = 2
+    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == \
+        [(6 * group, 0), (6 * group, 4 * group), (10 * group, 0), (10 * group, 0)]
+    assert [r["rollouts/total"] for r in rows] == [6 * group, 12 * group, 22 * group, 32 * group]
+    assert [r["phase"] for r in rows] == ["mix", "mix", "on-policy", "on-policy"]
+    checkpoint = out / "checkpoint-4"
+    assert sorted(p.name for p in checkpoint.glob("trainer_state*.pt")) == ["trainer_state-rank1.pt", "trainer_state.pt"]
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
+    assert (checkpoint / "reference" / "config.json").exists() and ((checkpoint / "critic").exists() == (algo == "ppo"))
+    # the sharded reference took pi_T's weights at T = 2: the policy saved at step 2
+    pi_t = AutoModelForCausalLM.from_pretrained(str(out / "checkpoint-2")).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(str(checkpoint / "reference")).state_dict()
+    assert all(torch.equal(reference[k], pi_t[k]) for k in pi_t)
+
+
+@pytest.mark.slow
+def test_two_ranks_share_one_tensor_parallel_engine(tiny_model, train_file, tmp_path):
+    """--vllm-tp 2: both ranks drive one engine sharded over them and draw the same tokens for its prompts (each
+    request carries its own seed); each trains on its half of the responses."""
+    out = tmp_path / "run"
+    flags = remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "vllm", "--group-size", "2",
+                      "--vllm-tp", "2", "--steps", "2")[1:]
+    done = torchrun(str(HERE / "test_runs.py"), "engine-tokens", str(out), *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(12, 0), (12, 8)]
+    assert all(r["perf/weight_sync_s"] > 0 for r in rows)
+    ranks = [torch.load(out / f"engine-tokens-rank{r}.pt") for r in (0, 1)]
+    assert len(ranks[0]) == 2 and [len(call) for call in ranks[0]] == [6, 6]  # the engine's 6 prompts, each step
+    assert ranks[0] == ranks[1]
+    assert ranks[0][0][0] != ranks[0][0][1]  # and the prompts' own seeds differ
+
+
+@pytest.mark.slow
+def test_every_collective_waits_at_most_the_dist_timeout(tmp_path):
+    done = torchrun(str(HERE / "test_runs.py"), "timeout", "8", timeout=120)
+    waited = [line.split() for line in done.stdout.splitlines() if line.startswith("WAITED")]
+    assert len(waited) == 1 and waited[0][2] != "no", done.stdout + done.stderr[-2000:]
+    assert 2.5 < float(waited[0][1]) < 10  # the 3 s timeout, not gloo's default of 30 minutes
+
+
+def worker_pids(agent: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of torchrun's worker processes."""
+    ranks = {}
+    for pid in child_pids(agent):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"LOCAL_RANK=")]
+        if rank:
+            ranks[int(rank[0])] = pid
+    return ranks
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_job_and_resume_completes_it(tiny_model, train_file, tmp_path):
+
+    out = tmp_path / "run"
+    argv = remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "hf", "--group-size", "2", "--steps", "6")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(29500 + os.getpid() % 1000), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    wait_into_step_3(proc, out, 0.3)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+    killed = time.time()
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.time() - killed < 60  # the whole job ends, never a hang
+    assert not (out / "checkpoint-6").exists()
+    done = torchrun(str(HERE / "remix.py"), "--resume", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    # a different number of processes is refused with one line
+    refused = run_remix("--resume", str(out), "--steps", "8")
+    one_error_line(refused, "was trained by 2 processes, this is 1")
+
+
+@pytest.mark.slow
+def test_prompts_that_do_not_split_over_the_processes_are_refused(tiny_model, train_file, tmp_path):
+    done = torchrun(*remix_cli(tiny_model, train_file, tmp_path / "run", "--sampler", "hf", "--prompts-per-step", "5"))
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("remix: error:")]
+    assert errors == ["remix: error: --prompts-per-step 5 (3 fresh + 2 historical at p = 0.4) cannot split into whole "
+                      "groups over 2 processes: make each a multiple of 2"]
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU's numerics on the CPU: --precision bf16, kl/ref = 0 before the first update; the sampler correction
+# ----------------------------------------------------------------------------------------------
+def first_kl_to_reference(monkeypatch) -> list:
+    """Spies kl_convex_loss: the k3 KL to the reference of the first update micro-batch of the run."""
+    seen, real = [], remix.kl_convex_loss
+
+    def spy(logp, ref_logp, prox_logp, lam, mask):
+        if not seen:
+            seen.append(remix.masked_mean(remix.k3_kl(logp.detach().float(), ref_logp.float()), mask).item())
+        return real(logp, ref_logp, prox_logp, lam, mask)
+
+    monkeypatch.setattr(remix, "kl_convex_loss", spy)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm"), ("ppo", "vllm")])
+def test_bf16_runs_in_one_process_with_kl_zero_before_the_first_update(algo, sampler, tiny_model, train_file,
+                                                                        tmp_path, monkeypatch):
+    """--precision bf16 on the CPU: the GPU's numerics (FSDP2 mixed precision over fp32 masters, a bf16 reference,
+    a bf16 vLLM engine). Before the first optimizer step the policy and the reference give the same log-probs."""
+    first = first_kl_to_reference(monkeypatch)
+    group = 2 if algo == "grpo" else 1
+    state = remix.train(tiny_args(tiny_model, train_file, tmp_path, algo=algo, sampler=sampler, precision="bf16",
+                                  group_size=group, steps=2, actor_lr=1e-3))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["batch/historical"] > 0
+    assert first[0] < 1e-5
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert next(state["reference"].parameters()).dtype == torch.bfloat16
+    assert next(state["policy"].parameters()).dtype == torch.float32  # the masters
+    if sampler == "vllm":
+        assert state["llm"].llm_engine.model_config.dtype == torch.bfloat16
+        assert rows[0]["mismatch/abs_log_ratio_mean"] > 0  # a bf16 engine against the trainer's own bf16 passes
+
+
+@pytest.mark.slow
+def test_bf16_under_torchrun_with_kl_zero_before_the_first_update(tiny_model, train_file, tmp_path):
+    """Two processes, FSDP2 mixed precision over gloo, bf16 vLLM engines: step 1 takes one optimizer step on the
+    whole batch, so its logged kl/ref is the token mean over micro-batches that all ran before any update."""
+    out = tmp_path / "run"
+    done = torchrun(*remix_cli(tiny_model, train_file, out, "--algo", "ppo", "--sampler", "vllm", "--precision", "bf16",
+                               "--utd", "1", "--mini-batch-prompts", "10", "--steps", "2", "--actor-lr", "1e-3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["train/optimizer_steps"] == 1
+    assert rows[0]["kl/ref"] < 1e-5 < rows[1]["kl/ref"]
+    assert rows[0]["mismatch/abs_log_ratio_mean"] > 0
+
+
+@pytest.mark.slow
+def test_fp32_has_kl_zero_before_the_first_update_too(tiny_model, train_file, tmp_path, monkeypatch):
+    first = first_kl_to_reference(monkeypatch)
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="ppo", steps=1))
+    assert first[0] < 1e-5
+
+
+@pytest.mark.slow
+def test_sampler_correction_weights_are_stored_replayed_and_reach_the_loss(tiny_model, train_file, tmp_path,
+                                                                           monkeypatch):
+    seen, real = [], remix.mix_ppg_loss
+
+    def spy(*args, **kwargs):
+        seen.append(args[6])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(remix, "mix_ppg_loss", spy)
+    batches = {}
+
+    def on_step(step, record, policy, tokenizer, batch):
+        batches[step] = [(s, s["sampler_weight"].clone()) for s in batch]
+
+    cap = 1.0  # on CPU the fp32 engine and the trainer agree to about 1e-6: a cap of 1 binds on about half the tokens
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="grpo", sampler="vllm", group_size=2, steps=2,
+                          sampler_is_cap=cap), on_step=on_step)
+    rows = read_metrics(tmp_path)
+    fresh = [s for s, _ in batches[1]]
+    for s in fresh:
+        expected = torch.exp(s["behaviour_logp"] - s["sampler_logp"]).clamp(max=cap)
+        torch.testing.assert_close(s["sampler_weight"], expected)
+    weights = torch.cat([s["sampler_weight"] for s in fresh])
+    assert (weights == cap).any() and (weights < cap).any()
+    assert rows[0]["mismatch/is_weight_mean"] == pytest.approx(weights.mean().item(), rel=1e-5)
+    replayed = [(s, w) for s, w in batches[2] if s["version"] == 1]
+    assert replayed and all(torch.equal(s["sampler_weight"], w) for s, w in replayed)
+    assert all(w is not None for w in seen)  # every Mix-PPG call was weighted
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmarks' scripts stay runnable: gpu_check's CPU dry run, the mutation check's planted bugs
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.py is what a session lent a GPU runs first, on a budget of minutes: its CPU dry run
+    (the same code on a tiny model) must keep working, or that budget goes on fixing the script. Mix stage,
+    switch and on-policy stage, with the PPO and GRPO step counts and rollouts of its three-step runs."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, str(HERE / "benchmarks" / "gpu_check.py"), str(tmp_path), "--quick"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["device"] == "cpu (dry run)" and result["world_size"] == 1
+    for algo in ("ppo", "grpo"):
+        run = result[f"end_to_end_{algo}"]
+        assert run["finite"] and [s["phase"] for s in run["steps"]] == ["mix", "mix", "on-policy"]
+        assert [s["rollouts/total"] for s in run["steps"]] == {"ppo": [6, 12, 22], "grpo": [12, 24, 44]}[algo]
+    assert {m["model"] for m in result["micro_batch"]} == {"policy", "critic"}
+
+
+@pytest.mark.slow  # with its benchmark: a fork must not fail an unrelated fast test on its first commit
+def test_every_planted_bug_of_the_mutation_check_still_applies():
+    """benchmarks/mutation_check.py plants each bug by replacing one exact piece of code. A reshaped line
+    silently retires its mutant until someone runs the script, so check here that every piece still occurs
+    exactly once and that the mutant changes it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_check", HERE / "benchmarks" / "mutation_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert len(check.MUTANTS) >= 28
+    for name, (path, old, new) in check.MUTANTS.items():
+        assert (HERE / path).read_text().count(old) == 1, f"mutant {name!r}: its code is no longer in {path}"
+        assert old != new, name
+
+
+# ----------------------------------------------------------------------------------------------
+# Forking for an ablation: each diff of docs/forks applied to a copy of remix.py and run
+# ----------------------------------------------------------------------------------------------
+FORK_RUN = """import json, sys, types
+sys.path[:0] = [{fork!r}, {here!r}]
+import remix, test_remix
+test_remix.scripted_right_answers(types.SimpleNamespace(setattr=setattr), {data!r})
+state = remix.train(remix.Args(**{args!r}))
+print("REFERENCE-LOADED", state["reference"] is not None, flush=True)
+"""
+
+
+FORKS = {  # fork -> what it changes in the log
+    "dapo_clip_higher": "losses/clipfrac",
+    "dr_grpo": "losses/policy_loss",
+    "sequence_mean": "losses/policy_loss",
+    "gspo_sequence_ratio": "losses/clipfrac",
+    "no_kl": "kl/ref",
+    "format_reward": "reward/mean",
+}
+
+
+def run_fork(name: str | None, model, data, tmp_path) -> tuple[list[dict], bool]:
+    """A copy of remix.py (with the fork's diff applied), a 2-step GRPO run on it with about half of the responses
+    right; returns the metrics and whether a reference model was loaded."""
+    fork = tmp_path / (name or "unforked")
+    fork.mkdir()
+    for file in ("remix.py", "remix_utils.py", "eval.py", "tiny_model.py"):
+        (fork / file).write_text((HERE / file).read_text())
+    if name:
+        applied = subprocess.run(["git", "apply", str(HERE / "docs" / "forks" / f"{name}.diff")], cwd=fork,
+                                 capture_output=True, text=True)
+        assert applied.returncode == 0, f"docs/forks/{name}.diff no longer applies: {applied.stderr}"
+    args = dict(model=model, dataset=data, out=str(fork / "run"), algo="grpo", group_size=2, steps=2,
+                prompts_per_step=5, mini_batch_prompts=2, max_response_tokens=24, sampler="hf", save_every=0, seed=3,
+                actor_lr=3e-2, kl_convex_start=0, kl_convex_every=1)
+    (fork / "run.py").write_text(FORK_RUN.format(fork=str(fork), here=str(HERE), data=data, args=args))
+    done = subprocess.run([sys.executable, str(fork / "run.py")], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read_metrics(fork / "run"), "REFERENCE-LOADED True" in done.stdout
+
+
+@pytest.mark.slow
+def test_every_fork_applies_runs_and_changes_what_it_should(tiny_model, train_file, tmp_path):
+    base, base_reference = run_fork(None, tiny_model, train_file, tmp_path)
+    assert base_reference and all("kl/ref" in r and "reward/format" not in r for r in base)
+    for name, key in FORKS.items():
+        rows, reference = run_fork(name, tiny_model, train_file, tmp_path)
+        assert [r["step"] for r in rows] == [1, 2], name
+        if name == "no_kl":
+            assert not reference and all(key not in r and "losses/kl_convex" not in r for r in rows)
+            continue
+        assert [r[key] for r in rows] != pytest.approx([r[key] for r in base], rel=1e-6, abs=1e-9), name
+        if name == "format_reward":
+            assert all(r["reward/format"] > 0 for r in rows)
+            assert [r["reward/correct"] for r in rows] == [r["reward/correct"] for r in base]
+
+
+@pytest.mark.slow
+def test_the_format_reward_fork_leaves_eval_pass_at_1_alone(tmp_path):
+    """eval.py reports the answer check, not the training reward: the same Pass@1 from the forked copy."""
+    bench = [json.loads(line) for line in (DATA / "benchmarks" / "aime24.jsonl").open()][:4]
+    responses = [f"so \\boxed{{{bench[0]['answer']}}}", "so \\boxed{-1}", "no answer", f"\\boxed{{{bench[3]['answer']}}}"]
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"benchmark": "aime24", "id": p["id"], "sample": 0, "answers": [p["answer"]],
+                                           "response": r, "response_tokens": 5, "finish_reason": "stop"}) + "\n"
+                               for p, r in zip(bench, responses)))
+    summaries = []
+    for name in (None, "format_reward"):
+        fork = tmp_path / (name or "unforked")
+        fork.mkdir()
+        for file in ("remix.py", "remix_utils.py", "eval.py"):
+            (fork / file).write_text((HERE / file).read_text())
+        if name:
+            subprocess.run(["git", "apply", str(HERE / "docs" / "forks" / f"{name}.diff")], cwd=fork, check=True)
+        subprocess.run([sys.executable, str(fork / "eval.py"), "--regrade", str(samples), "--out", str(fork / "eval")],
+                       check=True, capture_output=True, timeout=300)
+        summaries.append(json.loads((fork / "eval" / "summary.json").read_text()))
+    assert summaries[0]["aime24"]["pass@1"] == summaries[1]["aime24"]["pass@1"] == 50.0
+
+
+if __name__ == "__main__" and len(sys.argv) > 1:
+    {"update": distributed_main, "engine-tokens": engine_tokens_main, "timeout": timeout_main}[sys.argv[1]](sys.argv[1:])
