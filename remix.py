@@ -708,8 +708,10 @@ def update(batch: list[dict], policy, critic, optimizers, lam: float, utd: int, 
                 mask = mb["response_mask"]  # [b, r]
                 share = aggregation(mask)[1] / size  # this micro-batch's part of the mini-batch's mean
                 logp, entropy = policy_forward(policy, mb, args.temperature)  # [b, r] log pi_theta, H(pi_theta)
-                if not micro:  # this rank has no sample here, but must join the others' FSDP collectives
-                    join_collectives(logp, critic_forward(critic, mb) if critic is not None else None)
+                if not micro:  # this rank has no sample here, but must join the others' FSDP collectives, in order
+                    join_collectives(logp)
+                    if critic is not None:
+                        join_collectives(critic_forward(critic, mb))
                     continue
                 behaviour, prox, adv = (padded(micro, key).to(device) for key in
                                         ("behaviour_logp", "prox_logp", "advantages"))  # [b, r] mu, pi_k, A
@@ -812,7 +814,7 @@ def train(args: Args, on_step=None) -> dict:
             grader = score(fresh, tokenizer, args)
 
             # 3. behaviour and reference log-probs; 4. mix in p*B historical samples: whole groups drawn
-            # uniformly from the last N batches (each rank from its own deque), then pi_k and values on them
+            # uniformly from the last N batches (each rank from its own deque, Decision 17), then pi_k and values
             trainer_start = time.perf_counter()
             behaviour_and_reference(fresh, policy, reference, args, device, work)
             history = [s for g in draw_history(replay, per_rank(args.prompts_per_step - n_fresh)) for s in g]

@@ -332,22 +332,24 @@ def _recv(fd: int):
 
 
 def _worker_main():
-    """A worker: import the task function, warm up, then answer tasks until its input closes."""
+    """A worker: warm up, then run tasks (a module-level function by name, and its arguments) until its input
+    closes. Any function of an importable module: one pool serves the grader, the training reward and others."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
     out = os.dup(1)
     os.dup2(2, 1)  # prints of the task go to stderr, never into the protocol
-    module, name, warm, warm_args = _recv(0)
-    fn = getattr(importlib.import_module(module), name)
+    warm = _recv(0)
     if warm:
-        getattr(importlib.import_module(module), warm)(*warm_args)
+        getattr(importlib.import_module(warm[0]), warm[1])(*warm[2])
     _send(out, "ready")
     while True:
         try:
-            args = _recv(0)
+            folder, module, name, args = _recv(0)
         except EOFError:
             return
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         try:
-            _send(out, ("ok", fn(*args)))
+            _send(out, ("ok", getattr(importlib.import_module(module), name)(*args)))
         except Exception as error:  # the caller decides; the worker lives on
             _send(out, ("error", f"{type(error).__name__}: {error}"))
 
@@ -365,7 +367,7 @@ def _importable(fn) -> tuple[str, str, str]:
 
 class _Worker:
     def __init__(self, fn, warm, warm_args):
-        folder, module, name = _importable(fn)
+        folder = _importable(fn)[0]
         here = os.path.dirname(os.path.abspath(__file__))
         # the function's own folder first, before the working directory: a fork run from a folder that holds
         # another remix.py must grade with its own reward
@@ -373,8 +375,7 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.getcwd())
         self.write, self.read = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        _send(self.write, (module, name, warm.__name__ if warm else None, warm_args))
-        self.fn = (fn, warm)
+        _send(self.write, (*_importable(warm)[1:], warm_args) if warm else None)
         self.task, self.started, self.ready = None, 0.0, False
 
     def kill(self):
@@ -392,10 +393,9 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
     """[fn(*item) for item in items] in worker processes. A task still running `timeout` seconds after its
     turn came gets `on_timeout`, and its worker is killed (the only way to stop code stuck in C) and
     replaced. warm(*warm_args) runs in each new worker before it takes a task, so slow first imports never
-    count against a deadline. The workers are kept between calls of the same fn (a worker runs the function it
-    was started with: another fn starts new ones); fn and warm are module-level functions."""
-    if _pool and _pool[0].fn != (fn, warm):
-        close_pool()
+    count against a deadline. The workers are kept between calls, whatever their fn; fn and warm are
+    module-level functions (one module of a name per process: the caller's)."""
+    task = _importable(fn)  # (folder, module, name)
     while len(_pool) < workers:
         _pool.append(_Worker(fn, warm, warm_args))
     results, todo, done = [None] * len(items), list(range(len(items))), 0
@@ -404,7 +404,7 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
         for worker in _pool:
             if worker.ready and worker.task is None and todo:
                 worker.task, worker.started = todo.pop(0), now
-                _send(worker.write, items[worker.task])
+                _send(worker.write, (*task, items[worker.task]))
         deadlines = [w.started + timeout - now for w in _pool if w.task is not None]
         readable, _, _ = select.select([w.read for w in _pool], [], [], max(min(deadlines, default=1.0), 0.0))
         for i, worker in enumerate(_pool):
@@ -560,12 +560,11 @@ def backward_share(loss: torch.Tensor, share: torch.Tensor):
     (loss * share.to(loss.device) * world()).backward()
 
 
-def join_collectives(logp: torch.Tensor, values: torch.Tensor | None):
-    """A rank whose share of a mini-batch is empty runs a stand-in micro-batch (collate fills it) with zero weight,
-    so that it joins the other ranks' FSDP gathers and gradient reductions."""
-    for out in (logp, values):
-        if out is not None:
-            (out.sum() * 0.0).backward()
+def join_collectives(out: torch.Tensor):
+    """A rank whose share of a mini-batch is empty runs a stand-in micro-batch (collate fills it) with zero weight:
+    one model's forward output here, its backward now, so that it joins the other ranks' FSDP gathers and
+    reductions in their order (the policy's forward and backward, then the critic's)."""
+    (out.sum() * 0.0).backward()
 
 
 def optimizer_step(models, optimizers, logged: dict, max_grad_norm: float, stats: dict, progress: dict, step: int,
