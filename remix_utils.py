@@ -348,6 +348,9 @@ def _worker_main():
             return
         if folder not in sys.path:
             sys.path.insert(0, folder)
+        if module not in sys.modules:  # a first import is no part of the task's time: the parent restarts its clock
+            importlib.import_module(module)
+            _send(out, "imported")
         try:
             _send(out, ("ok", getattr(importlib.import_module(module), name)(*args)))
         except Exception as error:  # the caller decides; the worker lives on
@@ -414,8 +417,8 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
                 except EOFError:
                     close_pool()
                     raise RuntimeError(f"a worker process for {fn.__name__} exited (see its error above)") from None
-                if message == "ready":
-                    worker.ready = True
+                if message in ("ready", "imported"):  # imports never count against a deadline
+                    worker.ready, worker.started = True, time.monotonic()
                     continue
                 status, value = message
                 if status == "error":
