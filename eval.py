@@ -1,39 +1,39 @@
-"""Pass@1 of a model on the paper's math benchmarks: AIME24, AMC23, MATH500, Minerva, OlympiadBench.
+"""Pass@1 of a model on the paper's math benchmarks: AIME24, AMC, MATH500, Minerva, OlympiadBench.
 
-    python eval.py --model runs/remix/checkpoint-350                        # greedy, the paper's protocol
-    python eval.py --model M --n 16 --temperature 0.6 --top-p 0.95          # DeepScaleR's sampled protocol
-    python eval.py --model M --benchmarks aime24 math500 --data-dir ../shared/data/benchmarks
-    python eval.py --regrade runs/eval/samples.jsonl                        # grade saved samples again
+    python eval.py --model runs/remix/checkpoint-350                      # greedy, on the shipped data/benchmarks
+    python eval.py --model M --protocol paper                             # greedy, and temperature 0.1 (32 runs on AIME, AMC)
+    python eval.py --model M --protocol deepscaler                        # 16 samples at 0.6 / 0.95
+    torchrun --nproc-per-node 8 eval.py --model M --protocol paper        # the problems split over 8 GPUs
+    python eval.py --regrade runs/eval/samples.jsonl --grader deepscaler  # grade saved samples again
+    python eval.py --curves runs/remix runs/remix-grpo --out runs/curves  # Pass@1 against rollouts, from runs' logs
 
-Same prompt, chat template and grader as training (remix.build_prompt, remix.grade_many): worker
-processes with a hard time limit per answer, since math-verify's own timeouts need the main thread and
-some inputs hang inside C code where no signal reaches them.
+The prompt, the engines and the answer check are training's (remix.build_prompt, the vLLM engine, remix.grade_response),
+through machinery.evaluation, which also evaluates during training. Every sample is graded by math-verify and by
+DeepScaleR's rules (the grader behind the paper's numbers); --grader picks which one the table reports, and the
+table counts the responses on which they disagree. Samples are written as each benchmark finishes, and a rerun
+with the same --out continues where the last one stopped.
 """
 
+if __name__ == "__main__":  # first: a Ctrl-C while torch imports ends in one line too
+    from machinery import startup
+
+    startup.one_line_interrupts("eval")
+
+import dataclasses
 import json
-import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import tyro
 
 import remix
-import remix_utils
+from machinery import dist, evaluation, run
 
-# name -> (local file in --data-dir, hub id, hub config, hub split); "all" is the paper's five
-BENCHMARKS = {
-    "aime24": ("aime24.jsonl", "HuggingFaceH4/aime_2024", None, "train"),
-    "amc23": ("amc23.jsonl", "math-ai/amc23", None, "test"),
-    "amc83": ("amc_deepscaler83.jsonl", "AI-MO/aimo-validation-amc", None, "train"),
-    "math500": ("math500.jsonl", "HuggingFaceH4/MATH-500", None, "test"),
-    "minerva": ("minerva.jsonl", "math-ai/minervamath", None, "test"),
-    "olympiadbench": ("olympiadbench.jsonl", "Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train"),
-}
-PAPER_FIVE = ("aime24", "amc83", "math500", "minerva", "olympiadbench")
+PROG = "eval"
 
 
 @dataclass
@@ -43,220 +43,222 @@ class EvalArgs:
     benchmarks: tuple[str, ...] = ("all",)
     """benchmark names: aime24 amc23 amc83 math500 minerva olympiadbench, or all (the paper's five)"""
     data_dir: str | None = None
-    """folder of <benchmark>.jsonl files (layout of shared/data/benchmarks); default: the hub"""
+    """folder of <benchmark>.jsonl files (default: the repository's data/benchmarks, the files the paper's numbers
+    are on)"""
+    hub: bool = False
+    """read the benchmarks from the Hugging Face hub instead of the benchmark folder"""
+    protocol: Literal["custom", "paper", "deepscaler"] = "custom"
+    """custom: --n/--temperature/--top-p as given; paper: greedy everywhere, plus temperature 0.1 with 32 seeded
+    runs on AIME and AMC and one on the rest; deepscaler: 16 samples at temperature 0.6, top-p 0.95"""
     n: int = 1
-    """samples per problem"""
+    """>= 1: samples per problem (custom protocol)"""
     temperature: float = 0.0
-    """0 is greedy (the paper's headline protocol); DeepScaleR samples 16 at 0.6"""
+    """>= 0: 0 is greedy (custom protocol)"""
     top_p: float = 1.0
-    """nucleus sampling (DeepScaleR: 0.95)"""
+    """nucleus sampling, in (0, 1] (custom protocol)"""
     max_tokens: int = 8192
-    """generation budget per response, as in the paper"""
+    """>= 1: generation budget per response, as in the paper"""
+    grader: Literal["math-verify", "deepscaler"] = "math-verify"
+    """the answer check the table reports (both are always computed; the table counts where they disagree)"""
     sampler: Literal["vllm", "hf"] = "vllm"
     """vllm (default) or hf (transformers' generate)"""
+    vllm_tp: int = 1
+    """>= 1: ranks that share one vLLM engine (tensor parallel) under torchrun, for models one GPU cannot hold"""
+    vllm_gpu_memory_utilization: float = 0.9
+    """in (0, 1): the GPU memory share of the engine"""
+    precision: Literal["bf16", "fp32"] | None = None
+    """the engine's dtype (default: bf16 on GPU, fp32 on CPU)"""
     limit: int | None = None
-    """evaluate only the first this many problems of each benchmark (smoke tests)"""
+    """>= 1: evaluate only the first this many problems of each benchmark (smoke tests)"""
+    system_prompt: str | None = None
+    """a system turn before the problem (training's default has none)"""
+    prompt_suffix: str = remix.Args.prompt_suffix
+    """appended to every problem (training's prompt)"""
     out: str = "runs/eval"
-    """output folder: samples.jsonl, summary.json, results.md"""
+    """output folder: samples.jsonl, summary.json, results.md (and settings.json, to continue an interrupted run)"""
+    overwrite: bool = False
+    """replace an earlier evaluation in --out instead of continuing it"""
     regrade: str | None = None
     """grade a saved samples.jsonl again instead of generating (results go to --out)"""
+    curves: tuple[str, ...] = ()
+    """run folders: draw Pass@1 against rollouts and generated tokens, and length and self-reflection against steps,
+    from their metrics.jsonl into --out (PNG)"""
     workers: int = 2
-    """grading worker processes"""
+    """>= 1: grading worker processes"""
     grade_timeout: float = 20.0
-    """seconds one answer may take to grade before it counts as a failure (and wrong)"""
+    """> 0: seconds one answer may take to grade before it counts as a failure (and wrong)"""
     seed: int = 0
-    """sampling seed"""
+    """in [0, 2147483647]: sampling seed (run r of a protocol uses seed + r)"""
     batch_size: int = 64
-    """prompts per generate call with --sampler hf"""
+    """>= 1: prompts per generate call with --sampler hf"""
+
+
+RANGES = {"n": ">= 1", "temperature": ">= 0", "top_p": "in (0, 1]", "max_tokens": ">= 1", "vllm_tp": ">= 1",
+          "vllm_gpu_memory_utilization": "in (0, 1)", "limit": ">= 1", "workers": ">= 1", "grade_timeout": "> 0",
+          "seed": "in [0, 2147483647]", "batch_size": ">= 1"}
 
 
 def fail(message: str):
-    remix_utils.fail(message, prog="eval")
+    run.fail(message, PROG)
 
 
-# ----------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------
-def resolve_benchmarks(names) -> list[str]:
-    chosen = []
-    for name in names:
-        for part in name.split(","):
-            if part == "all":
-                chosen += PAPER_FIVE
-            elif part in BENCHMARKS:
-                chosen.append(part)
-            else:
-                fail(f"unknown benchmark {part!r}; valid names: {', '.join(BENCHMARKS)}, all")
-    return list(dict.fromkeys(chosen))
+def protocol_runs(args: EvalArgs, names: list[str]) -> list[dict]:
+    """The protocol as runs: a label, sampling settings, and how many seeded repetitions each benchmark gets."""
+    if args.protocol == "paper":  # the authors' README: greedy / temperature 0.1, the latter 32 runs on AIME and AMC
+        return [{"label": "greedy", "n": 1, "temperature": 0.0, "top_p": 1.0, "repeats": dict.fromkeys(names, 1)},
+                {"label": "t0.1", "n": 1, "temperature": 0.1, "top_p": 1.0,
+                 "repeats": {name: 32 if name in ("aime24", "amc23", "amc83") else 1 for name in names}}]
+    if args.protocol == "deepscaler":
+        return [{"label": "t0.6", "n": 16, "temperature": 0.6, "top_p": 0.95, "repeats": dict.fromkeys(names, 1)}]
+    label = "greedy" if args.temperature == 0 else f"t{args.temperature:g}"
+    return [{"label": label, "n": args.n, "temperature": args.temperature, "top_p": args.top_p,
+             "repeats": dict.fromkeys(names, 1)}]
 
 
-def gold_answers(row: dict) -> list[str]:
-    """Every accepted form of the answer: Minerva lists equivalent forms; hub copies differ in layout."""
-    if row.get("answers"):
-        return [str(a).strip() for a in row["answers"]]
-    raw = row.get("answer", row.get("final_answer"))
-    if isinstance(raw, list):  # hub OlympiadBench: ["$69$,$84$"], one string of $-delimited parts
-        return [", ".join(str(x) for x in raw).replace("$", "").strip()]
-    if isinstance(raw, float) and raw.is_integer():  # hub AMC copies store 27.0
-        raw = int(raw)
-    return [str(raw).strip()]
+def check(args: EvalArgs):
+    """Every flag and input that can be checked before a model loads, each with one line."""
+    run.check_ranges(args, RANGES, PROG)
+    if args.protocol == "custom" and args.n > 1 and args.temperature == 0:
+        fail("--n > 1 needs --temperature > 0: greedy samples are all the same")
+    if args.protocol != "custom" and (args.n, args.temperature, args.top_p) != (1, 0.0, 1.0):
+        fail(f"--protocol {args.protocol} sets its own samples, temperature and top-p: drop --n/--temperature/--top-p")
+    if args.model is None:
+        fail("--model is required (or --regrade SAMPLES.jsonl, or --curves RUN ...)")
+    run.check_model_path(args.model, PROG)
+    if os.path.isdir(args.model) and not any(any(Path(args.model).glob(p)) for p in ("*.safetensors", "*.bin")):
+        fail(f"model folder {args.model!r} holds no model weights (*.safetensors)")
+    run.check_hub({**({"--model": args.model} if run.is_hub_id(args.model) else {}),
+                   **({"--benchmarks": " ".join(args.benchmarks)} if args.hub else {})}, PROG)
+    if dist.world() % args.vllm_tp:
+        fail(f"--vllm-tp {args.vllm_tp} must divide the {dist.world()} processes")
 
 
-def load_benchmark(name: str, args: EvalArgs) -> list[dict]:
-    local, hub_id, config, split = BENCHMARKS[name]
-    if args.data_dir is not None:
-        path = Path(args.data_dir) / local
-        if not Path(args.data_dir).is_dir():
-            fail(f"--data-dir {args.data_dir!r} is not a folder")
-        if not path.is_file():
-            fail(f"benchmark file {str(path)!r} does not exist (expected {local} in --data-dir)")
-        rows = [json.loads(line) for line in path.open() if line.strip()]
-    else:
-        rows = remix_utils.load_hub_rows(hub_id, config, split, prog="eval")
-    problems = []
-    for i, row in enumerate(rows[: args.limit]):
-        problem = row.get("problem", row.get("question"))
-        if problem is None or row.get("answer", row.get("final_answer")) is None:
-            fail(f"{name}: row {i} needs a problem (or question) and an answer column; it has {sorted(row)}")
-        problems.append({"benchmark": name, "id": row.get("id", i), "problem": problem, "answers": gold_answers(row)})
-    return problems
+def settings_of(args: EvalArgs) -> dict:
+    """What the samples depend on: a rerun with the same --out continues only with the same settings."""
+    keys = ("model", "benchmarks", "data_dir", "hub", "protocol", "n", "temperature", "top_p", "max_tokens", "sampler",
+            "limit", "system_prompt", "prompt_suffix", "seed", "precision")
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(args).items() if k in keys}
 
 
-# ----------------------------------------------------------------------------------------------
-# Generation
-# ----------------------------------------------------------------------------------------------
-def generate(args: EvalArgs, problems: list[dict]):
-    """n responses per problem, all in one engine call: [[(text, n_tokens, finish_reason), ...] per problem]."""
+def prepare(args: EvalArgs, sizes: dict) -> list[dict]:
+    """--out checked (continued, refused, or replaced); returns the samples of the runs already finished there (a
+    run of a benchmark is finished when all its sizes[(label, benchmark)] samples were written)."""
+    out, settings = Path(args.out), settings_of(args)
+    saved_path, samples_path = out / "settings.json", out / "samples.jsonl"
+    kept = []
+    if dist.rank() == 0 and out.exists() and any(out.iterdir()) and not args.overwrite:
+        if not saved_path.is_file():
+            fail(f"--out {out} already holds files that are not an evaluation's; choose another --out or pass --overwrite")
+        saved = json.loads(saved_path.read_text())
+        changed = sorted(k for k in settings if saved.get(k) != settings[k])
+        if changed:
+            fail(f"--out {out} holds an evaluation with other settings ({', '.join(f'--{k.replace(chr(95), chr(45))}' for k in changed)}); "
+                 f"rerun with the same flags to continue it, choose another --out, or pass --overwrite")
+        kept = evaluation.read_samples(str(samples_path), PROG, partial=True) if samples_path.exists() else []
+        counts = {}
+        for s in kept:
+            counts[s["run"], s["benchmark"], s["repeat"]] = counts.get((s["run"], s["benchmark"], s["repeat"]), 0) + 1
+        kept = [s for s in kept if counts[s["run"], s["benchmark"], s["repeat"]] == sizes.get((s["run"], s["benchmark"]))]
+    if dist.rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("samples.jsonl", "summary.json", "results.md"):
+            if args.overwrite or not kept:
+                (out / name).unlink(missing_ok=True)
+        saved_path.write_text(json.dumps(settings, indent=1))
+        evaluation.write_jsonl(str(samples_path), kept)
+    return dist.broadcast(kept)
+
+
+def start_sampler(args: EvalArgs, prompts: list[list[int]]):
     import torch
-    from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    except OSError as error:
-        fail(f"cannot load model {args.model!r}: {str(error).splitlines()[0]}{remix_utils.offline_hint()}")
-    prompts = [remix.build_prompt(tokenizer, p["problem"]) for p in problems]
-    # the training samplers, with this protocol's settings (temperature 0 is greedy in both)
-    settings = remix.Args(model=args.model, seed=args.seed, temperature=args.temperature, top_p=args.top_p,
-                          max_prompt_tokens=max(map(len, prompts)), max_response_tokens=args.max_tokens,
-                          mini_batch_prompts=args.batch_size, vllm_sleep=False, vllm_gpu_memory_utilization=0.9)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
     if args.sampler == "vllm":
-        llm = remix.make_vllm(settings, device, "bfloat16" if device.type == "cuda" else "float32")
-        seeds = [remix_utils.request_seed(args.seed, 0, i, args.n) for i in range(len(prompts))]
-        raw = remix.vllm_generate(llm, prompts, args.n, settings, seeds, use_tqdm=True)
-    else:
-        from transformers import AutoModelForCausalLM
+        from machinery import engines
 
-        torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        raw = remix.hf_generate(model.to(device), tokenizer, prompts, args.n, settings, device)
-    return [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish, _ in group]
-            for group in raw]
+        settings = remix.Args(model=args.model, seed=args.seed, vllm_tp=args.vllm_tp, precision=precision,
+                              max_prompt_tokens=max(map(len, prompts)), max_response_tokens=args.max_tokens,
+                              vllm_sleep=False, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+        return engines.start(settings)
+    from transformers import AutoModelForCausalLM
 
-
-# ----------------------------------------------------------------------------------------------
-# Scores
-# ----------------------------------------------------------------------------------------------
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 - C(n - c, k) / C(n, k), n samples of which c are right."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    return model.to(dist.device()).eval()
 
 
-def summarize(samples: list[dict]) -> dict:
-    """Per benchmark: mean accuracy over all samples (Pass@1), pass@k for k up to n, and diagnostics."""
-    summary = {}
-    for name in dict.fromkeys(s["benchmark"] for s in samples):
-        rows = [s for s in samples if s["benchmark"] == name]
-        by_problem: dict = {}
-        for s in rows:
-            by_problem.setdefault(str(s["id"]), []).append(s["correct"])
-        n = min(len(v) for v in by_problem.values())
-        entry = {
-            "problems": len(by_problem),
-            "samples": len(rows),
-            "pass@1": 100.0 * float(np.mean([s["correct"] for s in rows])),
-            "no_boxed": 100.0 * float(np.mean([s["extracted"] is None for s in rows])),
-            "mean_tokens": float(np.mean([s["response_tokens"] for s in rows])),
-            "self_reflection": 100.0 * float(np.mean([
-                any(w in s["response"].lower() for w in remix.SELF_REFLECTION_WORDS) for s in rows])),
-            "grader_failures": sum(s["status"] in ("error", "unparsable", "timeout") for s in rows),
-        }
-        for k in range(2, n + 1):
-            entry[f"pass@{k}"] = 100.0 * float(np.mean([pass_at_k(len(v), sum(v), k) for v in by_problem.values()]))
-        summary[name] = entry
-    keys = [k for k in next(iter(summary.values())) if k not in ("problems", "samples", "grader_failures")]
-    summary["average"] = {k: float(np.mean([v[k] for v in summary.values() if k in v])) for k in keys}
-    return summary
-
-
-def markdown(summary: dict) -> str:
-    ks = [k for k in summary["average"] if k.startswith("pass@")]
-    """One row per benchmark; every rate is a percentage, as its header says."""
-    head = ["benchmark", "problems", *[f"{k} %" for k in ks], "no boxed %", "mean tokens", "self-reflection %",
-            "grader failures"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, e in summary.items():
-        cells = [name, str(e.get("problems", "")), *[f"{e[k]:.2f}" for k in ks], f"{e['no_boxed']:.2f}",
-                 f"{e['mean_tokens']:.0f}", f"{e['self_reflection']:.2f}", str(e.get("grader_failures", ""))]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def read_samples(path: str) -> list[dict]:
-    if not os.path.isfile(path):
-        fail(f"samples file {path!r} does not exist")
-    samples = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                _ = record["benchmark"], record["id"], record["response"], record["answers"]
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                fail(f"{path}: line {number} is not a sample record ({type(error).__name__}: {error})")
-            samples.append(record)
-    if not samples:
-        fail(f"samples file {path!r} holds no samples")
+def evaluate(args: EvalArgs) -> list[dict]:
+    """Every run of the protocol on every benchmark, one (run, benchmark, repetition) at a time, each appended to
+    samples.jsonl as it finishes; those already there (an interrupted evaluation with the same settings) are kept."""
+    names = evaluation.resolve(args.benchmarks, PROG)
+    problems = {name: evaluation.load_benchmark(name, args.data_dir, args.limit, args.hub, PROG) for name in names}
+    runs = protocol_runs(args, names)
+    sizes = {(r["label"], name): len(problems[name]) * r["n"] for r in runs for name in names}
+    samples = prepare(args, sizes)
+    done = {(s["run"], s["benchmark"], s["repeat"]) for s in samples}
+    todo = [(r, name, repeat) for r in runs for name in names for repeat in range(r["repeats"][name])
+            if (r["label"], name, repeat) not in done]
+    if done:
+        run.say(f"continuing {args.out}: {len(done)} of {len(done) + len(todo)} runs of benchmarks already there", PROG)
+    if not todo:
+        return samples
+    tokenizer = run.load_tokenizer(args.model, PROG)
+    if not tokenizer.chat_template:
+        run.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text", PROG)
+    prompts = {name: [remix.build_prompt(tokenizer, p["problem"], args.prompt_suffix, args.system_prompt)
+                      for p in rows] for name, rows in problems.items()}
+    sampler = start_sampler(args, [p for ps in prompts.values() for p in ps])
+    try:
+        generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples)
+    except KeyboardInterrupt:
+        raise run.Stopped(f"interrupted; the {len({(s['run'], s['benchmark'], s['repeat']) for s in samples})} "
+                          f"finished runs of benchmarks are in {args.out}/samples.jsonl: rerun the same command to "
+                          f"continue") from None
     return samples
+
+
+def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples):
+    for r, name, repeat in todo:
+        start = time.perf_counter()
+        generated = evaluation.generate(sampler, tokenizer, prompts[name], r["n"], r["temperature"], r["top_p"],
+                                        args.max_tokens, args.seed + repeat, args.vllm_tp, args.batch_size)
+        if dist.rank() == 0:
+            unit = evaluation.records(problems[name], generated, r["label"], repeat, args.seed + repeat)
+            evaluation.grade(remix, unit, args.workers, args.grade_timeout)
+            evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), unit, mode="a")
+            samples += unit
+            run.say(f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}: {len(unit)} samples in "
+                    f"{time.perf_counter() - start:.0f} s", PROG)
 
 
 def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
+    run.catch_interrupts()
+    dist.init()
+    if args.curves:
+        from machinery import curves
+
+        return curves.draw(args.curves, args.out)
     if args.regrade:
-        samples = read_samples(args.regrade)
+        run.check_ranges(args, RANGES, PROG)
+        samples = evaluation.read_samples(args.regrade, PROG)
+        if dist.rank() == 0:
+            run.say(f"grading {len(samples)} responses with {args.workers} worker processes", PROG)
+            evaluation.grade(remix, samples, args.workers, args.grade_timeout)
+            os.makedirs(args.out, exist_ok=True)
+            evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), samples)
     else:
-        if args.model is None:
-            fail("--model is required (or --regrade SAMPLES.jsonl)")
-        remix_utils.check_model_path(args.model, prog="eval")
-        hub = {"--model": args.model} if remix_utils.is_hub_id(args.model) else {}
-        remix_utils.check_hub({**hub, **({} if args.data_dir else {"--benchmarks": " ".join(args.benchmarks)})},
-                              prog="eval")
-        if args.n > 1 and args.temperature == 0:
-            fail("--n > 1 needs --temperature > 0: greedy samples are all the same")
-        problems = [p for name in resolve_benchmarks(args.benchmarks) for p in load_benchmark(name, args)]
-        generations = generate(args, problems)
-        samples = [{"benchmark": p["benchmark"], "id": p["id"], "sample": j, "answers": p["answers"], "response": text,
-                    "response_tokens": tokens, "finish_reason": finish}
-                   for p, group in zip(problems, generations) for j, (text, tokens, finish) in enumerate(group)]
-    print(f"grading {len(samples)} responses with {args.workers} worker processes", flush=True)
-    grades = remix.grade_many([(s["response"], s["answers"]) for s in samples], args.workers, args.grade_timeout)
-    for s, (reward, status) in zip(samples, grades):
-        s.update(correct=reward == 1.0, status=status, extracted=remix.final_answer(s["response"]))
-    summary = summarize(samples)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "samples.jsonl"), "w") as f:
-        f.writelines(json.dumps(s) + "\n" for s in samples)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    table = markdown(summary)
-    Path(args.out, "results.md").write_text(table)
-    print(table)
-    print(f"{len(samples)} samples in {time.perf_counter() - start:.1f} s; written to {args.out}")
-    return summary
+        check(args)
+        samples = evaluate(args)
+    summary = evaluation.summarize(samples, remix.SELF_REFLECTION_WORDS, args.grader) if dist.rank() == 0 else {}
+    if dist.rank() == 0:
+        Path(args.out, "summary.json").write_text(json.dumps(summary, indent=1))
+        table = evaluation.markdown(summary)
+        Path(args.out, "results.md").write_text(table)
+        print(table)
+        print(f"{len(samples)} samples in {time.perf_counter() - start:.1f} s (Pass@1 by {args.grader}); written to "
+              f"{args.out}", flush=True)
+    return dist.broadcast(summary)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(EvalArgs))
+    run.main(lambda: main(tyro.cli(EvalArgs)), PROG)

@@ -36,59 +36,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
-import remix_utils  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Shared: paths, the tiny model's run settings, whole weights of sharded models
-# ----------------------------------------------------------------------------------------------
-HERE = Path(__file__).resolve().parent
-
-
-DATA = Path(os.environ.get("REMIX_DATA", HERE.parent / "shared" / "data"))
-
-
-TRAIN = DATA / "train" / "deepscaler_partial.jsonl"
-
-
-def tiny_args(model, data, out, **overrides) -> remix.Args:
-    base = dict(model=model, dataset=data, out=str(out), steps=3, prompts_per_step=10, max_response_tokens=24,
-                mini_batch_prompts=4, sampler="hf", save_every=0, seed=3)
-    base.update(overrides)
-    return remix.Args(**base)
-
-
-def read_metrics(out) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
-
-
-def full_state(model) -> dict:
-    """A model's state dict with whole tensors (every run's models are FSDP2-sharded, one process too)."""
-    return dict(remix_utils.full_tensors(model))
-
-
-def plain_copy(model):
-    """An unsharded copy of a model with its current weights, for reference computations (FSDP2 modules cannot
-    be deep-copied). None stays None."""
-    if model is None:
-        return None
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-    copy = cls(model.config).eval()
-    copy.load_state_dict(full_state(model))
-    return copy
-
-
-def wait_into_step_3(proc, out, seconds: float):
-    """Wait (up to 300 s) until a running job has finished writing checkpoint-2, then seconds more, into step 3."""
-    deadline = time.time() + 300
-    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.05)
-    time.sleep(seconds)
+from machinery import dist, engines, models, notation, run  # noqa: E402
+from tests.common import (DATA, ROOT, TRAIN, full_state, plain_copy, read_metrics, tiny_args,  # noqa: E402, F401
+                          wait_into_step_3)
+from tests.tiny_model import build_tiny_model  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,7 +63,7 @@ def test_math_reward(response, answer, expected):
 
 
 def test_unbalanced_boxes_empty_answers_and_grader_errors_score_zero(monkeypatch):
-    assert remix.last_boxed("so \\boxed{\\frac{1}{2}") is None  # unbalanced: no answer
+    assert notation.last_boxed("so \\boxed{\\frac{1}{2}") is None  # unbalanced: no answer
     assert remix.grade_response("\\boxed{}", "1") == (0.0, "unparsable")
 
     def broken(expression):
@@ -125,7 +76,7 @@ def test_unbalanced_boxes_empty_answers_and_grader_errors_score_zero(monkeypatch
 def test_grade_response_reports_status():
     assert remix.grade_response("\\boxed{1}", "1") == (1.0, "ok")
     assert remix.grade_response("nothing", "1") == (0.0, "no_boxed")
-    assert remix.last_boxed("a \\boxed{x^{2}} b") == "x^{2}"
+    assert notation.last_boxed("a \\boxed{x^{2}} b") == "x^{2}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,8 +90,7 @@ def test_chunked_logprobs_and_gradients_equal_the_plain_computation(chunk):
     weight = torch.randn(300, 16, generator=g, requires_grad=True)
     targets = torch.randint(0, 300, (23,), generator=g)
     upstream = torch.randn(23, 2, generator=g)  # d loss / d (log-prob, entropy)
-    out = remix_utils.chunked_logprobs(hidden, weight, targets, functools.partial(remix.token_logprobs,
-                                                                                  temperature=0.8), chunk=chunk)
+    out = models.chunked_logprobs(remix.token_logprobs, hidden, weight, targets, 0.8, chunk)
     (out * upstream).sum().backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
@@ -167,20 +117,45 @@ class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_the_output_layer_is_cast_once_per_forward_under_autocast(tiny_model, monkeypatch):
     """A caller's bf16 autocast over fp32 weights: one cast of the [V, H] weight for five chunks, forward and
-    recompute (autocast's cache misses the chunks' w.T views: it used to cast ten times, and ten gradients back)."""
+    recompute (autocast's cache misses the chunks' w.T views: it used to cast ten times, and ten gradients back).
+    The gradient is summed in fp32 over the chunks straight into the fp32 weight's: no cast back."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(remix_utils, "LOGPROB_CHUNK", 8)
+    monkeypatch.setattr(models, "LOGPROB_CHUNK", 8)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model)
-    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": list(range(10, 50))}], "cpu")  # 5 chunks of 8
+    mb = models.collate([{"prompt_ids": [1, 2, 3], "response_ids": list(range(10, 50))}], "cpu")  # 5 chunks of 8
     counter = CastCounter(policy.get_output_embeddings().weight.shape)
     with counter, torch.autocast("cpu", dtype=torch.bfloat16):
         logp, entropy = remix.policy_forward(policy, mb, 1.0)
         forward_casts = counter.casts
         (logp.sum() + entropy.sum()).backward()
-    assert forward_casts == 1 and counter.casts == 2  # and the one cast's gradient back to fp32
+    assert forward_casts == 1 and counter.casts == 1
     plain = remix.policy_forward(policy, mb, 1.0)[0]  # and the chunks compute what one piece does, in bf16
     assert (logp.float() - plain).abs().max().item() < 0.1
+
+
+def test_a_bf16_output_layers_gradient_is_rounded_once_not_at_every_chunk():
+    """A bf16 weight (FSDP2's mixed precision): its gradient over 8 chunks equals the exact sum of the chunks'
+    bf16 products rounded once to bf16. Summing the chunks in bf16, as autograd does for a bf16 leaf, rounds at
+    every chunk and lands further away."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, 16, generator=g).bfloat16().requires_grad_(True)
+    weight = torch.randn(300, 16, generator=g).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, 300, (64,), generator=g)
+    upstream = torch.randn(64, 2, generator=g)
+    (models.chunked_logprobs(remix.token_logprobs, hidden, weight, targets, 1.0, 8) * upstream).sum().backward()
+    exact, naive = torch.zeros(300, 16, dtype=torch.float64), torch.zeros(300, 16, dtype=torch.bfloat16)
+    for i in range(0, 64, 8):  # each chunk's bf16 gradient of the logits, as the chunked backward computes it
+        h = hidden[i : i + 8].detach()
+        logits = (h @ weight.detach().T).requires_grad_(True)  # [8, 300] bf16
+        (grad_logits,) = torch.autograd.grad(remix.token_logprobs(logits, targets[i : i + 8], 1.0), logits,
+                                             upstream[i : i + 8])
+        exact += grad_logits.double().T @ h.double()
+        naive += grad_logits.T @ h  # a bf16 running sum
+    once = exact.to(torch.bfloat16)
+    assert weight.grad.dtype == torch.bfloat16
+    assert (weight.grad != once).float().mean().item() < 0.01  # fp32 accumulation order aside: the exact sum, rounded
+    assert (weight.grad.double() - exact).abs().sum() < 0.7 * (naive.double() - exact).abs().sum()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,10 +192,10 @@ def test_logged_losses_are_the_optimised_token_means(tiny_model, train_file, tmp
                               prompts_per_step=5, mini_batch_prompts=8, utd=1, max_tokens_per_micro_batch=budget))
         rows[budget] = read_metrics(tmp_path / str(budget))[0]
     batch, policy = captured["batch"], captured["policy"]
-    mb = remix.collate(batch, "cpu")
+    mb = models.collate(batch, "cpu")
     mask = mb["response_mask"]
     logp, entropy = remix.policy_forward(policy, mb, 1.0)
-    adv, behaviour = remix.padded(batch, "advantages"), remix.padded(batch, "behaviour_logp")
+    adv, behaviour = models.padded(batch, "advantages"), models.padded(batch, "behaviour_logp")
     pg, _ = remix.mix_ppg_loss(logp, behaviour, behaviour, adv, mask)
     for budget in rows:
         assert rows[budget]["losses/policy_loss"] == pytest.approx(pg.item(), rel=1e-4, abs=1e-7)
@@ -520,8 +495,8 @@ def test_policy_objective_is_eq6():
 
 def test_ppo_hf_batch_mix_and_utd(tiny_model, train_file, tmp_path):
     # B = 10, p = 0.4: 6 fresh + 4 historical once history exists; 3 passes -> 3 x ceil(10 / 4) steps
-    state = remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="ppo", utd=3, window=2, steps=4))
-    rows = read_metrics(tmp_path)
+    state = remix.train(tiny_args(tiny_model, train_file, tmp_path / "utd3", algo="ppo", utd=3, window=2, steps=4))
+    rows = read_metrics(tmp_path / "utd3")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(6, 0), (6, 4), (6, 4), (6, 4)]
     assert [r["train/optimizer_steps"] for r in rows] == [3 * 2, 3 * 3, 3 * 3, 3 * 3]  # ceil(6/4), ceil(10/4)
@@ -627,12 +602,12 @@ def test_the_loop_replays_exactly_what_draw_history_drew_from_the_whole_window(t
 # The sampler: per-request seeds (Decision 19), the sampler-trainer gap and its correction (Decision 18)
 # ----------------------------------------------------------------------------------------------
 def test_request_seeds_depend_only_on_seed_step_and_prompt_and_never_overlap():
-    seeds = {(seed, step, i): remix_utils.request_seed(seed, step, i, 8)
+    seeds = {(seed, step, i): engines.request_seed(seed, step, i, 8)
              for seed in (1, 2) for step in (1, 2, 3) for i in range(200)}
     assert all(value % 8 == 0 and 0 <= value < 2**62 for value in seeds.values())  # children seed + 0..7
     children = [value + j for value in seeds.values() for j in range(8)]
     assert len(set(children)) == len(children)  # no two responses of the run share a seed
-    assert remix_utils.request_seed(1, 2, 3, 8) == seeds[(1, 2, 3)]  # a function of its arguments alone
+    assert engines.request_seed(1, 2, 3, 8) == seeds[(1, 2, 3)]  # a function of its arguments alone
 
 
 def test_sampler_is_weight_by_hand():
@@ -649,7 +624,7 @@ def test_sampler_mismatch_sums_by_hand():
               "sampler_weight": torch.tensor([2.0])},
              {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": None}]  # the hf sampler: nothing to compare
     gaps = [0.0, -1.0, 1.0]  # log pi_trainer - log pi_sampler on the three vLLM tokens
-    abs_sum, k3_sum, outside, weight_sum, count, largest = remix_utils.sampler_mismatch(fresh)
+    abs_sum, k3_sum, outside, weight_sum, count, largest = run.sampler_mismatch(fresh)
     assert abs_sum == pytest.approx(2.0) and largest == pytest.approx(1.0) and count == 3
     assert k3_sum == pytest.approx(sum(math.exp(g) - 1 - g for g in gaps))
     assert outside == 2  # e^-1 = 0.37 and e^1 = 2.72 leave [0.5, 2]
@@ -658,9 +633,9 @@ def test_sampler_mismatch_sums_by_hand():
 
 def test_sampler_correction_needs_vllm(tiny_model, train_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, sampler="hf", sampler_is_cap=2.0))
+        run.check_args(remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, sampler="hf", sampler_is_cap=2.0)))
     assert exit_info.value.code == 2
-    assert "--sampler-is-cap needs a cap > 0 and --sampler vllm" in capsys.readouterr().err
+    assert "--sampler-is-cap needs --sampler vllm" in capsys.readouterr().err
 
 
 def test_hf_sampler_stops_at_every_eos_id_of_the_generation_config(tiny_model):
@@ -669,12 +644,11 @@ def test_hf_sampler_stops_at_every_eos_id_of_the_generation_config(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model)
     prompts = [remix.build_prompt(tokenizer, "What is 1+1?")]
-    args = remix.Args(max_response_tokens=12, mini_batch_prompts=4)
     torch.manual_seed(0)
-    free = remix.hf_generate(policy, tokenizer, prompts, 4, args, "cpu")[0]
+    free = engines.hf_generate(policy, tokenizer, prompts, 4, 1.0, 1.0, 12, 4)[0]
     assert all(finish == "length" and len(ids) == 12 for ids, finish, _ in free)  # a random model rarely stops
     policy.generation_config.eos_token_id = [tokenizer.eos_token_id] + list(range(256))  # every byte token ends
-    stopped = remix.hf_generate(policy, tokenizer, prompts, 4, args, "cpu")[0]
+    stopped = engines.hf_generate(policy, tokenizer, prompts, 4, 1.0, 1.0, 12, 4)[0]
     assert all(finish == "stop" and len(ids) == 1 for ids, finish, _ in stopped)
 
 
@@ -724,17 +698,18 @@ class Spy:
                 return out
 
             monkeypatch.setattr(remix, name, spy)
-        real_load = remix.load_models
+        real_load = models.load
 
         def load(*a, **k):
             out = real_load(*a, **k)
-            self.models = dict(zip(("tokenizer", "policy", "reference", "critic"), out))
+            self.models = dict(zip(("policy", "reference", "critic"), out))
             self.start[1] = {n: plain_copy(self.models[n]) for n in ("policy", "reference", "critic")}
             return out
 
-        monkeypatch.setattr(remix, "load_models", load)
+        monkeypatch.setattr(models, "load", load)
 
         def on_step(step, record, policy, tokenizer, batch):
+            self.models["tokenizer"] = tokenizer
             self.batches[step] = [dict(s) for s in batch]
             self.step = step + 1
             self.start[step + 1] = {n: plain_copy(self.models[n]) for n in ("policy", "reference", "critic")}
@@ -751,10 +726,10 @@ def scripted_right_answers(monkeypatch, train_file):
     import random as stdlib_random
 
     answers = {r["problem"]: r["answer"] for r in map(json.loads, open(train_file))}
-    real, rng = remix.hf_generate, stdlib_random.Random(0)
+    real, rng = engines.hf_generate, stdlib_random.Random(0)
 
-    def sampler(policy, tokenizer, prompts, n, args, device):
-        out = real(policy, tokenizer, prompts, n, args, device)
+    def sampler(policy, tokenizer, prompts, n, *sampling, **kw):
+        out = real(policy, tokenizer, prompts, n, *sampling, **kw)
         for prompt, group in zip(prompts, out):
             text = tokenizer.decode(prompt)
             answer = next(a for p, a in answers.items() if p in text)
@@ -764,7 +739,7 @@ def scripted_right_answers(monkeypatch, train_file):
                     group[j] = (right, "stop", None)
         return out
 
-    monkeypatch.setattr(remix, "hf_generate", sampler)
+    monkeypatch.setattr(engines, "hf_generate", sampler)
 
 
 def close(a, b, atol=2e-5) -> bool:
@@ -858,16 +833,17 @@ def test_spied_steps_match_independent_recomputation(algo, tiny_model, train_fil
 
 def test_step_metrics_adv_scale_and_trace_product_by_hand():
 
-    fresh = [{"reward": 1.0, "response_ids": [0, 0], "truncated": False, "reflects": False, "version": 3},
-             {"reward": 0.0, "response_ids": [0], "truncated": True, "reflects": True, "version": 3}]
+    fresh = [{"reward": 1.0, "response_ids": [0, 0], "truncated": False, "reflects": False, "version": 3, "status": "ok"},
+             {"reward": 0.0, "response_ids": [0], "truncated": True, "reflects": True, "version": 3, "status": "ok"}]
     history = [{"reward": 1.0, "response_ids": [0, 0, 0], "truncated": False, "reflects": False, "version": 1}]
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     advantages = torch.tensor([[2.0, -2.0, 0.0], [1.0, 0.0, 0.0], [0.5, -0.5, 1.0]])
     trace_c = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.5, 0.8, 1.0]])
     log_ratio = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [math.log(0.5), math.log(0.8), math.log(1.5)]])
     adv = {"mask": mask, "advantages": advantages, "trace_c": trace_c, "log_ratio": log_ratio}
-    record = remix_utils.step_metrics(3, fresh, history, collections.Counter({"ok": 2}), adv, {}, {"gen": 1.0,
-                                      "trainer": 1.0}, collections.Counter(tokens=6, slots=8), 1, 1.0)
+    dist.padding.clear()
+    dist.padding.update(tokens=6, slots=8)
+    record = run.step_metrics(3, fresh, history, adv, {}, remix.Args(group_size=1, vtrace_c_bar=1.0))
     # mean |A| over historical tokens (0.5 + 0.5 + 1) / 3, over fresh ones (2 + 2 + 1) / 3
     assert record["offpolicy/adv_scale"] == pytest.approx((2 / 3) / (5 / 3))
     assert record["offpolicy/trace_prod_mean"] == pytest.approx(0.5 * 0.8 * 1.0)
@@ -895,19 +871,19 @@ def test_cached_reference_logprobs_equal_a_fresh_computation(tiny_model, train_f
             checked["historical" if s["version"] < step else "fresh"] += 1
 
     state = {}
-    real = remix.load_models
+    real = models.load
 
     def load(*a, **k):
         out = real(*a, **k)
-        state["reference"] = out[2]
+        state["reference"] = out[1]
         return out
 
-    remix.load_models = load
+    models.load = load
     try:
         remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="grpo", group_size=2, steps=3, reincarnate_step=2,
                               actor_lr=1e-3), on_step=on_step)
     finally:
-        remix.load_models = real
+        models.load = real
     assert checked["historical"] > 0 and checked["fresh"] > 0
 
 
@@ -946,7 +922,7 @@ def run_update(case: dict) -> tuple[dict, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 
-    device = remix_utils.init_distributed()
+    device = dist.init()
     args = remix.Args(**case["args"])
     policy = AutoModelForCausalLM.from_pretrained(case["model"])
     policy.load_state_dict(case["policy"])
@@ -955,16 +931,15 @@ def run_update(case: dict) -> tuple[dict, dict]:
         config = AutoConfig.from_pretrained(case["model"], num_labels=1)
         critic = AutoModelForTokenClassification.from_pretrained(case["model"], config=config)
         critic.load_state_dict(case["critic"])
-        critic.dropout.p = 0.0  # as load_models does
-    policy, critic = remix_utils.shard(policy, device, torch.float32), critic and remix_utils.shard(critic, device,
+        critic.dropout.p = 0.0  # as models.load does
+    policy, critic = dist.shard(policy, device, torch.float32), critic and dist.shard(critic, device,
                                                                                                    torch.float32)
-    share = len(case["batch"]) // remix_utils.world()
-    batch = case["batch"][remix_utils.rank() * share :][:share]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=args.weight_decay) if m is not None else None
-                  for m, lr in ((policy, args.actor_lr), (critic, args.critic_lr))]
+    share = len(case["batch"]) // dist.world()
+    batch = case["batch"][dist.rank() * share :][:share]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=args.weight_decay)
+                  for m, lr in ((policy, args.actor_lr), (critic, args.critic_lr)) if m is not None]
     remix.compute_advantages(batch, args)
-    stats = remix.update(batch, policy, critic, optimizers, case["lam"], case["utd"], case["step"], args, device,
-                         {"bad_updates": 0}, collections.Counter())
+    stats = remix.update(batch, policy, critic, optimizers, case["lam"], case["utd"], case["step"], args)
     full = {name: full_state(m) for name, m in (("policy", policy), ("critic", critic)) if m}
     return full, dict(stats)
 
@@ -997,8 +972,7 @@ def rerun_update(case: dict, **overrides) -> tuple:
         for s in batch:
             s["advantages"] = torch.zeros_like(s["advantages"])
     optim = torch.optim.AdamW(policy.parameters(), lr=args.actor_lr, weight_decay=0.0)
-    remix.update(batch, policy, None, (optim, None), case["lam"], utd, case["step"], args,
-                 "cpu", {"bad_updates": 0}, collections.Counter())
+    remix.update(batch, policy, None, [optim], case["lam"], utd, case["step"], args)
     return before, policy, batch
 
 
@@ -1008,7 +982,7 @@ def distance(a, b) -> float:
 
 def token_mean(model, batch, fn) -> float:
     with torch.no_grad():
-        mb = remix.collate(batch, "cpu")
+        mb = models.collate(batch, "cpu")
         return remix.masked_mean(fn(*remix.policy_forward(model, mb, 1.0), mb), mb["response_mask"]).item()
 
 
@@ -1026,7 +1000,7 @@ def test_a_large_entropy_bonus_with_zero_advantages_raises_the_entropy(grpo_case
 
 def test_a_large_kl_coefficient_pulls_the_policy_to_the_reference(grpo_case):
     before, after, batch = rerun_update(grpo_case, ent_coef=0.0, kl_beta=10.0, zero_advantages=True, actor_lr=1e-3)
-    ref = remix.padded(batch, "ref_logp")
+    ref = models.padded(batch, "ref_logp")
     kl = lambda model: token_mean(model, batch, lambda logp, ent, mb: remix.k3_kl(logp, ref))  # noqa: E731
     assert kl(before) > 1e-4 and kl(after) < 0.5 * kl(before)
 
@@ -1040,9 +1014,9 @@ def test_update_releases_every_gradient(grpo_case):
 # The models and the trainer's passes: no dropout, forwards against unpadded ones, token budgets, sharding
 # ----------------------------------------------------------------------------------------------
 def test_models_have_no_dropout_in_training_mode(tiny_model, tmp_path):
-    remix_utils.init_distributed()
-    _, policy, reference, critic = remix.load_models(remix.Args(model=tiny_model, algo="ppo"), torch.device("cpu"))
-    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7]}], "cpu")
+    dist.init()
+    policy, reference, critic = models.load(remix.finalize_args(remix.Args(model=tiny_model, algo="ppo")))
+    mb = models.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7]}], "cpu")
     for model, fn in ((policy, lambda m: remix.policy_forward(m, mb, 1.0)[0]), (critic, lambda m: remix.critic_forward(m, mb))):
         model.eval()
         with torch.no_grad():
@@ -1061,7 +1035,7 @@ def test_forwards_and_collate_against_unpadded_passes(tiny_model):
     g = torch.Generator().manual_seed(0)
     samples = [{"prompt_ids": torch.randint(0, 250, (p,), generator=g).tolist(),
                 "response_ids": torch.randint(0, 250, (r,), generator=g).tolist()} for p, r in ((7, 3), (2, 9), (12, 1), (4, 5))]
-    mb = remix.collate(samples, "cpu")
+    mb = models.collate(samples, "cpu")
     assert mb["prompt_len"] == 12 and mb["response_mask"].sum(-1).tolist() == [3, 9, 1, 5]
     with torch.no_grad():
         logp, entropy = remix.policy_forward(policy, mb, 0.7)
@@ -1081,8 +1055,9 @@ def test_forwards_and_collate_against_unpadded_passes(tiny_model):
 
 def test_micro_batches_respect_the_budget_and_group_lengths():
     samples = [{"prompt_ids": [0] * 4, "response_ids": [0] * n} for n in (3, 50, 4, 6, 48, 5, 200, 49, 51)]
-    work = collections.Counter()
-    plans = remix.micro_batches(samples, 120, work)
+    dist.padding.clear()
+    plans = dist.micro_batches(samples, 120)
+    work = dict(dist.padding)
     assert sorted(len(s["response_ids"]) for plan in plans for s in plan) == [3, 4, 5, 6, 48, 49, 50, 51, 200]
     for plan in plans:
         width = max(len(s["prompt_ids"]) for s in plan) + max(len(s["response_ids"]) for s in plan)
@@ -1104,15 +1079,17 @@ def test_token_budgets_change_no_number(algo, tiny_model, train_file, tmp_path):
 
     for budget in (1, 120, 100_000):
         case["args"]["max_tokens_per_micro_batch"] = budget
-        args, work = remix.Args(**case["args"]), collections.Counter()
+        args = remix.Args(**case["args"])
         policy = AutoModelForCausalLM.from_pretrained(case["model"])
         policy.load_state_dict(case["policy"])
-        passes = remix.per_token(remix.logprob_pass(args), policy, case["batch"], args, "cpu", work)
+        dist.padding.clear()
+        passes = models.per_token(remix.logp_of(args), policy, case["batch"], budget)
         if algo == "ppo":
             critic = AutoModelForTokenClassification.from_pretrained(
                 case["model"], config=AutoConfig.from_pretrained(case["model"], num_labels=1))
             critic.load_state_dict(case["critic"])
-            passes += remix.per_token(remix.critic_forward, critic, case["batch"], args, "cpu", work)
+            passes += models.per_token(remix.critic_forward, critic, case["batch"], budget)
+        work = dict(dist.padding)
         full, stats = run_update(case)
         results[budget] = (passes, full, stats, work)
     reference = results[100_000]
@@ -1163,7 +1140,7 @@ def test_critic_forward_builds_no_kv_cache(tiny_model):
         tiny_model, config=AutoConfig.from_pretrained(tiny_model, num_labels=1))
     caches = []
     critic.model.register_forward_hook(lambda module, args, out: caches.append(out.past_key_values))
-    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}], "cpu")
+    mb = models.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}], "cpu")
     with torch.no_grad():
         remix.critic_forward(critic, mb)
         critic(input_ids=mb["input_ids"])  # the model's own default would keep one
@@ -1175,20 +1152,40 @@ def test_unsharded_restores_each_modules_reshard_setting(tiny_model):
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM
 
-    device = remix_utils.init_distributed()
-    policy = remix_utils.shard(AutoModelForCausalLM.from_pretrained(tiny_model), device, torch.float32)
+    device = dist.init()
+    policy = dist.shard(AutoModelForCausalLM.from_pretrained(tiny_model), device, torch.float32)
     modules = [m for m in policy.modules() if isinstance(m, FSDPModule)]
 
     def settings():
         return [(m._get_fsdp_state()._auto_reshard_after_forward,
                  [g.post_forward_mesh_info is None for g in m._get_fsdp_state()._fsdp_param_groups]) for m in modules]
 
-    mb = remix.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}], "cpu")
+    mb = models.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}], "cpu")
     for first in (True, False):  # before any forward, and after the root's first forward chose its setting
         before = settings()
-        with remix_utils.unsharded(policy):
+        with dist.unsharded(policy):
             pass
         assert settings() == before
         remix.policy_forward(policy, mb, 1.0)[0].sum().backward()
     root, layer = settings()[0], settings()[-1]  # modules() yields the root first
     assert root[1] == [True] and layer[1] == [False]  # the root stays whole after forward, the layers reshard
+
+
+def test_a_pass_without_backward_leaves_the_root_sharded(tiny_model):
+    """FSDP2 keeps the root's weights (embeddings, final norm, output layer) whole after a forward, for the backward
+    that follows; the frozen reference never runs one, so every no-grad pass reshards them (a whole bf16 copy would
+    otherwise stay on every GPU for the run, generation included)."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    device = dist.init()
+    reference = dist.shard(AutoModelForCausalLM.from_pretrained(tiny_model).eval().requires_grad_(False), device,
+                           torch.float32)
+    embedding = lambda: reference.get_input_embeddings().weight  # noqa: E731  the root's own parameter
+    samples = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7, 8, 9]}]
+    with torch.no_grad():
+        remix.policy_forward(reference, models.collate(samples, "cpu"), 1.0)
+    assert not isinstance(embedding(), DTensor)  # a bare forward: the root stays whole
+    logp = models.per_token(remix.logp_of(remix.Args()), reference, samples, 10_000)
+    assert isinstance(embedding(), DTensor)  # the reference pass: sharded again
+    assert [len(x) for x in logp] == [2, 3]

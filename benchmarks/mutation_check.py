@@ -4,9 +4,9 @@
     python benchmarks/mutation_check.py --list     # the mutants only
     python benchmarks/mutation_check.py NAME ...   # some of them
 
-Each mutant replaces one exact piece of remix.py or remix_utils.py (the piece must occur exactly once, so a
+Each mutant replaces one exact piece of remix.py or a module of machinery/ (the piece must occur exactly once, so a
 reshaped loop makes this script fail loudly until its mutant is updated; a slow test checks that every mutant
-still applies). The fast tests are test_remix.py and test_runs.py without the `slow` ones (no subprocesses,
+still applies). The fast tests are test_remix.py and tests/test_runs.py without the `slow` ones (no subprocesses,
 vLLM or torchrun): the spied steps and the loop's behaviour tests run first, then the rest; the first failing
 test is reported.
 """
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ("remix.py", "remix_utils.py", "test_remix.py", "test_runs.py", "conftest.py", "tiny_model.py", "pytest.ini")
+COPY = ("remix.py", "eval.py", "test_remix.py", "conftest.py", "pytest.ini", "machinery", "tests")
 LOOP_TESTS = "spied or further or entropy_bonus or kl_coefficient or unpadded or uniform_over or token_budgets"
 
 # name -> (file, exact original text, mutated text)
@@ -32,7 +32,7 @@ MUTANTS = {
     "ref and prox swapped in KL-Convex": (
         "remix.py", "klc = kl_convex_loss(logp, ref, prox, lam, mask)", "klc = kl_convex_loss(logp, prox, ref, lam, mask)"),
     "PPO advantages not whitened": (
-        "remix.py", "advantages = whiten(advantages, mask, all_reduce)  # [B, R]", "advantages = advantages  # [B, R]"),
+        "remix.py", "advantages = whiten(advantages, mask, dist.all_reduce)  # [N, L]", "advantages = advantages  # [N, L]"),
     "entropy bonus with the wrong sign": (
         "remix.py", "return mix_ppg - ent_coef * entropy + beta * kl_convex",
         "return mix_ppg + ent_coef * entropy + beta * kl_convex"),
@@ -43,20 +43,20 @@ MUTANTS = {
         "remix.py", "policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta)",
         "policy_objective(pg_loss, -entropy, klc, args.ent_coef, args.kl_beta)"),
     "later UTD passes counted but not stepped": (
-        "remix.py", "            optimizer_step(models, optimizers, logged,",
-        "            optimizer_step(models, optimizers if epoch == 0 else (), logged,"),
+        "remix.py", "                for optim in optimizers:\n                    optim.step()",
+        "                for optim in optimizers if epoch == 0 else ():\n                    optim.step()"),
     "reference log-probs computed with the policy": (
         "remix.py", '(("behaviour_logp", policy), ("ref_logp", reference))', '(("behaviour_logp", policy), ("ref_logp", policy))'),
     "pi_k on history computed with the reference": (
-        "remix.py", "prox_and_values(fresh, history, policy, critic, args, device, work)",
-        "prox_and_values(fresh, history, reference, critic, args, device, work)"),
+        "remix.py", "prox_and_values(fresh, history, policy, critic, args)",
+        "prox_and_values(fresh, history, reference, critic, args)"),
     "stored behaviour log-probs ignored in the loss (mu := pi_k)": (
         "remix.py", '("behaviour_logp", "prox_logp", "advantages")', '("prox_logp", "prox_logp", "advantages")'),
     "stored behaviour log-probs ignored in the traces (every c = 1)": (
-        "remix.py", 'behaviour, prox = padded(batch, "behaviour_logp"), padded(batch, "prox_logp")',
-        'behaviour, prox = padded(batch, "prox_logp"), padded(batch, "prox_logp")'),
+        "remix.py", 'behaviour, prox = models.padded(batch, "behaviour_logp", "cpu"),',
+        'behaviour, prox = models.padded(batch, "prox_logp", "cpu"),'),
     "outcome reward on the first response token": (
-        "remix.py", "last = mask.sum(-1) - 1  # [B] each response's last token", "last = mask.sum(-1) * 0  # [B] each response's last token"),
+        "remix.py", "last = mask.sum(-1) - 1  # [N] each response's last token", "last = mask.sum(-1) * 0  # [N] each response's last token"),
     "truncated_trace called with its arguments swapped": (
         "remix.py", "trace_c = truncated_trace(prox, behaviour, mask, args.vtrace_c_bar)",
         "trace_c = truncated_trace(behaviour, prox, mask, args.vtrace_c_bar)"),
@@ -67,7 +67,7 @@ MUTANTS = {
     "critic_forward reads V one position late": (
         "remix.py", 'return out[:, batch["prompt_len"] - 1 : -1, 0].float()', 'return out[:, batch["prompt_len"] :, 0].float()'),
     "critic trained toward its old values": (
-        "remix.py", 'padded(micro, "value_targets").to(device), mask, args.value_clip)', 'padded(micro, "values").to(device), mask, args.value_clip)'),
+        "remix.py", 'models.padded(micro, "value_targets"), mask, args.value_clip)', 'models.padded(micro, "values"), mask, args.value_clip)'),
     "micro-batch token weighting dropped": (
         "remix.py", "share = aggregation(mask)[1] / size", "share = torch.tensor(1.0)"),
     "draw_history takes the newest groups": (
@@ -92,33 +92,41 @@ MUTANTS = {
     "biased std in the group advantage": (
         "remix.py", "group.std(unbiased=True)", "group.std(unbiased=False)"),
     "trace starts at t instead of t+1": (
-        "remix.py", "adv = delta + gamma * lam * next_c * next_adv  # [B]",
-        "adv = delta + gamma * lam * trace_c[:, t] * next_adv  # [B]"),
+        "remix.py", "adv = delta + gamma * lam * next_c * next_adv  # [N]",
+        "adv = delta + gamma * lam * trace_c[:, t] * next_adv  # [N]"),
     "deque keeps batches after reincarnation": (
         "remix.py", "    replay.clear()\n", "    pass\n"),
     "gradients kept through generation": (
-        "remix.py", "        optim.zero_grad(set_to_none=True)  # no gradients held", "        pass  # no gradients held"),
+        "remix.py", "                optim.zero_grad(set_to_none=True)", "                optim.zero_grad(set_to_none=False)"),
     "the critic's value pass builds a KV cache": (
         "remix.py", "out = critic(input_ids=batch[\"input_ids\"], attention_mask=batch[\"attention_mask\"], use_cache=False,",
         "out = critic(input_ids=batch[\"input_ids\"], attention_mask=batch[\"attention_mask\"], use_cache=None,"),
     "unsharded() leaves every module resharding after forward": (
-        "remix_utils.py", "            state._auto_reshard_after_forward = auto\n",
+        "machinery/dist.py", "            state._auto_reshard_after_forward = auto\n",
         "            state._auto_reshard_after_forward = auto\n            m.set_reshard_after_forward(True)\n"),
     "the output layer cast in every chunk": (
-        "remix_utils.py", "    if torch.is_autocast_enabled(hidden.device.type):", "    if False:"),
+        "machinery/models.py", "torch.cat([per_token_fn(hidden[i : i + chunk].to(dtype) @ cast.T,",
+        "torch.cat([per_token_fn(hidden[i : i + chunk].to(dtype) @ weight.to(dtype).T,"),
+    "the output layer's gradient summed in its own dtype": (
+        "machinery/models.py", "grad_weight = torch.zeros(cast.shape, dtype=torch.float32, device=cast.device)",
+        "grad_weight = torch.zeros(cast.shape, dtype=cast.dtype, device=cast.device)"),
+    "a no-grad pass leaves the root unsharded": (
+        "machinery/models.py", "    dist.reshard(model)\n", "\n"),
+    "non-finite updates stepped anyway": (
+        "machinery/run.py", "        return False\n    _guard[\"in_a_row\"] = 0", "        return True\n    _guard[\"in_a_row\"] = 0"),
 }
 
 
 def run(work: Path, expression: str) -> str | None:
     """The first failing test's name, or None."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:logging", "--tb=no", "-rf",
-                           "-m", "not slow", "-k", expression, "test_remix.py", "test_runs.py"], cwd=work,
+                           "-m", "not slow", "-k", expression, "test_remix.py", "tests/test_runs.py"], cwd=work,
                           capture_output=True, text=True,
-                          env=dict(os.environ, REMIX_DATA=str(ROOT.parent / "shared" / "data"), HF_HUB_OFFLINE="1"))
+                          env=dict(os.environ, REMIX_DATA=str(ROOT / "data"), HF_HUB_OFFLINE="1"))
     if done.returncode == 5:  # no test selected
         return None
-    failed = re.findall(r"^FAILED test_\w+\.py::(\S+)", done.stdout, re.M)
-    errors = re.findall(r"^ERROR test_\w+\.py::(\S+)", done.stdout, re.M)
+    failed = re.findall(r"^FAILED (?:tests/)?test_\w+\.py::(\S+)", done.stdout, re.M)
+    errors = re.findall(r"^ERROR (?:tests/)?test_\w+\.py::(\S+)", done.stdout, re.M)
     if done.returncode != 0 and not failed and not errors:
         return "(collection error or crash)"
     return (failed or errors or [None])[0]
@@ -139,8 +147,8 @@ def main():
         path, old, new = MUTANTS[name]
         with tempfile.TemporaryDirectory(prefix="remix-mutant-") as tmp:
             work = Path(tmp)
-            for file in FILES:
-                shutil.copy(ROOT / file, work / file)
+            for name in COPY:
+                (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, work / name)
             text = (work / path).read_text()
             if text.count(old) != 1:
                 sys.exit(f"mutation_check: the text of mutant {name!r} occurs {text.count(old)} times in {path}; update it")

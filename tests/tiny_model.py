@@ -1,6 +1,6 @@
 """Build a tiny random-weight Qwen2 chat model offline, for tests and CPU smoke runs.
 
-    python tiny_model.py runs/tiny-qwen2
+    python tests/tiny_model.py runs/tiny-qwen2
 
 The folder loads with transformers' `from_pretrained` and with vLLM, like any hub checkpoint.
 The tokenizer is byte level (256 byte tokens, no merges) plus three ChatML special tokens, so it
@@ -49,10 +49,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(path: str, seed: int = 0, hidden_size: int = 128, layers: int = 2) -> str:
-    """Write a random Qwen2ForCausalLM (hidden 128, 4 heads of 32, 2 KV heads) and its tokenizer."""
+def build_tiny_model(path: str, seed: int = 0, hidden_size: int = 128, layers: int = 2, chat: bool = True) -> str:
+    """Write a random Qwen2ForCausalLM (hidden 128, 4 heads of 32, 2 KV heads) and its tokenizer (without a chat
+    template when chat is False, as a base model's)."""
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
+    if not chat:
+        tokenizer.chat_template = None
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -3,7 +3,7 @@ the grader from any caller, a new user's first hour, several processes under tor
 (--precision bf16) on the CPU, the benchmarks' own scripts, and the forks of docs/forks. The method's formulas
 and the spied loop are in test_remix.py, whose helpers these tests share.
 
-    pytest -q test_runs.py
+    pytest -q tests/test_runs.py
 """
 
 import dataclasses
@@ -23,13 +23,14 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a script, under torchrun
 
 import remix  # noqa: E402
-import remix_utils  # noqa: E402
+from machinery import checkpoints, data, dist, engines, evaluation, grader, models, run  # noqa: E402
+from test_remix import prepared_update_case, run_update  # noqa: E402
+from tests.common import DATA, ROOT, full_state, read_metrics, tiny_args, wait_into_step_3  # noqa: E402
 
-
-from test_remix import (DATA, HERE, full_state, prepared_update_case, read_metrics, run_update,  # noqa: E402
-                        tiny_args, wait_into_step_3)
+HERE = ROOT
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
         diffs = []
         for c in gen[0].outputs:
             sample = {"prompt_ids": prompt, "response_ids": list(c.token_ids)}
-            mine, _ = remix.policy_forward(model, remix.collate([sample], "cpu"), 1.0)
+            mine, _ = remix.policy_forward(model, models.collate([sample], "cpu"), 1.0)
             theirs = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
             diffs.append((mine[0].detach() - theirs).abs().max().item())
         return max(diffs)
@@ -87,7 +88,7 @@ def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
 def test_cli_runs_and_rejects_bad_flags(tiny_model, train_file, tmp_path):
     cmd = [sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
            "--out", str(tmp_path / "cli"), "--steps", "1", "--prompts-per-step", "4", "--max-response-tokens", "8",
-           "--sampler", "hf"]
+           "--eval-every", "0", "--sampler", "hf"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(read_metrics(tmp_path / "cli")) == 1
@@ -103,7 +104,7 @@ def cli(model, data, out, *extra, sampler="hf") -> list[str]:
     return [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out),
             "--sampler", sampler, "--algo", "ppo", "--steps", "6", "--prompts-per-step", "10", "--max-response-tokens",
             "24", "--mini-batch-prompts", "4", "--save-every", "2", "--keep-last", "2",
-            "--seed", "5", *extra]
+            "--seed", "5", "--eval-every", "0", *extra]
 
 
 def comparable(row: dict) -> dict:
@@ -153,13 +154,13 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
     ("model", {"model": "/no/such/model"}, "model folder '/no/such/model' does not exist"),
     ("p", {"off_policy_p": 1.0}, "--off-policy-p must be in [0, 1), got 1.0"),
     ("p-negative", {"off_policy_p": -0.1}, "--off-policy-p must be in [0, 1), got -0.1"),
-    ("window", {"window": 0}, "--window must be at least 1, got 0"),
-    ("utd", {"utd": 0}, "--utd must be at least 1, got 0"),
+    ("window", {"window": 0}, "--window must be >= 1, got 0"),
+    ("utd", {"utd": 0}, "--utd must be >= 1, got 0"),
     ("reincarnate", {"reincarnate_step": -1}, "--reincarnate-step must be >= 0, got -1"),
     ("groups", {"prompts_per_step": 1, "off_policy_p": 0.4}, "cannot split into whole fresh and historical groups"),
-    ("max-response", {"max_response_tokens": 0}, "--max-response-tokens must be at least 1, got 0"),
+    ("max-response", {"max_response_tokens": 0}, "--max-response-tokens must be >= 1, got 0"),
     ("grpo-group", {"algo": "grpo", "group_size": 1}, "--algo grpo needs --group-size >= 2"),
-    ("temperature", {"temperature": 0.0}, "--temperature must be > 0 in training"),
+    ("temperature", {"temperature": 0.0}, "--temperature must be > 0, got 0.0"),
     ("tp", {"vllm_tp": 2}, "--vllm-tp 2 must divide the 1 processes"),
 ])
 def test_bad_flags_get_one_clear_line(tiny_model, train_file, tmp_path, capsys, case, overrides, message):
@@ -189,37 +190,37 @@ def test_datasets_load_from_parquet_and_json_lists_and_name_what_is_wrong(tmp_pa
     (tmp_path / "d.json").write_text(json.dumps(rows))
     (tmp_path / "bad.json").write_text("[{\"problem\": 1,")
     for name in ("d.parquet", "d.json"):
-        assert remix_utils.load_problems(str(tmp_path / name), "problem", "answer") == [("1+1?", "2"), ("2+2?", "4")]
-    one_line_exit(capsys, lambda: remix_utils.load_problems(str(tmp_path / "bad.json"), "problem", "answer"),
+        assert data.load_problems(str(tmp_path / name), "problem", "answer") == [("1+1?", "2"), ("2+2?", "4")]
+    one_line_exit(capsys, lambda: data.load_problems(str(tmp_path / "bad.json"), "problem", "answer"),
                   "is not valid JSON")
-    stream = remix_utils.prompt_stream([("a long problem", "1")], lambda text: [0] * len(text), 3, seed=0)
-    one_line_exit(capsys, lambda: next(stream), "every prompt is longer than --max-prompt-tokens 3")
+    one_line_exit(capsys, lambda: data.first_fitting_prompt([("a long problem", "1")], lambda text: [0] * len(text), 3),
+                  "every prompt is longer than --max-prompt-tokens 3")
 
 
 def test_resume_refusals_get_one_line(tmp_path, capsys):
-    one_line_exit(capsys, lambda: remix_utils.load_trainer_state(str(tmp_path / "nowhere")), "no such run folder")
+    one_line_exit(capsys, lambda: checkpoints.latest(str(tmp_path / "nowhere")), "no such run folder")
     args = remix.Args(resume=str(tmp_path), steps=3)
-    one_line_exit(capsys, lambda: remix_utils.resume_args(args, dataclasses.asdict(remix.Args()), 5),
+    one_line_exit(capsys, lambda: checkpoints.resume_args(args, dataclasses.asdict(remix.Args()), 5),
                   "the run has finished 5 steps, more than --steps 3")
 
 
 def test_a_model_folder_without_a_model_and_a_missing_vllm_get_one_line(tmp_path, capsys, monkeypatch):
-    remix_utils.init_distributed()
-    one_line_exit(capsys, lambda: remix.load_models(remix.Args(model=str(tmp_path)), torch.device("cpu")),
+    dist.init()
+    one_line_exit(capsys, lambda: models.load(remix.finalize_args(remix.Args(model=str(tmp_path)))),
                   f"cannot load model {str(tmp_path)!r}")
+    one_line_exit(capsys, lambda: run.load_tokenizer(str(tmp_path)), f"cannot load model {str(tmp_path)!r}")
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
-    one_line_exit(capsys, lambda: remix_utils.make_vllm(remix.Args(), torch.device("cpu"), "float32"),
-                  "vLLM is not installed")
+    one_line_exit(capsys, lambda: engines.start(remix.finalize_args(remix.Args())), "vLLM is not installed")
 
 
 def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
     """Python drops an exception raised in a __del__ and reports it to sys.unraisablehook: the hook stays quiet
     about the interrupt, the flag remembers it, and the loop's next check raises it."""
-    monkeypatch.setattr(remix_utils, "_interrupt", {"seen": False})
+    monkeypatch.setattr(run, "_interrupt", {"seen": None})
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        remix_utils.catch_interrupts()
+        run.catch_interrupts()
         reported = []
         sys.unraisablehook.__defaults__ = (lambda report: reported.append(report),)
 
@@ -228,13 +229,14 @@ def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
                 signal.raise_signal(signal.SIGINT)
 
         Finaliser()  # the SIGINT lands in __del__: its KeyboardInterrupt is dropped
-        assert remix_utils.interrupted() and reported == []
+        assert run.interrupted() and reported == []
         with pytest.raises(KeyboardInterrupt):
-            remix_utils.check_interrupted()
+            run.check_interrupted()
         sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("other")))
         assert len(reported) == 1  # anything else still goes to the default hook
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "columns", "broken"])
@@ -281,10 +283,10 @@ def test_grader_failures_are_counted_in_the_step(tiny_model, train_file, tmp_pat
     stuck = tokenizer("\\boxed{10^{10^{10^{10}}}}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     fine = tokenizer("\\boxed{7}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
 
-    def sampler(policy, tok, prompts, n, args, device):
+    def sampler(policy, tok, prompts, n, *sampling, **kw):
         return [[(stuck if i == 0 else fine, "stop", None) for _ in range(n)] for i in range(len(prompts))]
 
-    monkeypatch.setattr(remix, "hf_generate", sampler)
+    monkeypatch.setattr(engines, "hf_generate", sampler)
     remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=1, prompts_per_step=3, off_policy_p=0.0,
                           grade_timeout=3.0))
     row = read_metrics(tmp_path)[0]
@@ -341,10 +343,10 @@ def vanish(x):
 @pytest.mark.slow
 def test_a_failing_or_vanishing_worker_function_stops_with_its_error():
     with pytest.raises(RuntimeError, match="explode failed in a worker process: ValueError: bad item 1"):
-        remix_utils.map_with_deadline(explode, [(1,)], 1, 10.0, None)
+        grader.map_with_deadline(explode, [(1,)], 1, 10.0, None)
     with pytest.raises(RuntimeError, match="a worker process for vanish exited"):
-        remix_utils.map_with_deadline(vanish, [(1,)], 1, 10.0, None)
-    remix_utils.close_pool()
+        grader.map_with_deadline(vanish, [(1,)], 1, 10.0, None)
+    grader.close_pool()
 
 
 def test_a_worker_function_must_be_importable(monkeypatch):
@@ -352,15 +354,15 @@ def test_a_worker_function_must_be_importable(monkeypatch):
     monkeypatch.setitem(sys.modules, "__main__", main)
     exec("def typed_in(x):\n    return x", main.__dict__)
     with pytest.raises(ValueError, match="must live in an importable file"):
-        remix_utils.map_with_deadline(main.typed_in, [(1,)], 1, 10.0, None)
+        grader.map_with_deadline(main.typed_in, [(1,)], 1, 10.0, None)
 
 
 @pytest.mark.slow
 def test_worker_pool_runs_the_function_it_is_given():
     """Workers outlive a call; a call with another function must not get the old function's answers."""
-    assert remix.grade_many([("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
-    assert remix_utils.map_with_deadline(double, [(3,), (4,)], 2, 10.0, None) == [6, 8]
-    assert remix.grade_many([("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
+    assert evaluation.grade_many([("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
+    assert grader.map_with_deadline(double, [(3,), (4,)], 2, 10.0, None) == [6, 8]
+    assert evaluation.grade_many([("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
 
 
 @pytest.mark.slow
@@ -455,7 +457,7 @@ def test_hub_ids_without_the_hub_fail_in_seconds(tmp_path, offline):
 def test_an_existing_run_is_not_clobbered(tiny_model, train_file, tmp_path):
     out = tmp_path / "run"
     base = ["--model", tiny_model, "--dataset", train_file, "--out", str(out), "--sampler", "hf", "--algo", "grpo",
-            "--prompts-per-step", "4", "--group-size", "2", "--max-response-tokens", "8"]
+            "--prompts-per-step", "4", "--group-size", "2", "--max-response-tokens", "8", "--eval-every", "0"]
     assert run_remix(*base, "--steps", "2").returncode == 0
     before = (out / "metrics.jsonl").read_text()
     one_error_line(run_remix(*base, "--steps", "1"), f"--out {out} already holds a run")
@@ -493,7 +495,7 @@ def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, del
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
                              "--out", str(out), "--sampler", "hf", "--algo", "ppo", "--steps", "50", "--save-every", "1",
-                             "--prompts-per-step", "10", "--max-response-tokens", "24"],
+                             "--prompts-per-step", "10", "--max-response-tokens", "24", "--eval-every", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
     deadline = time.time() + 240
@@ -523,7 +525,8 @@ def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, del
 def test_a_vllm_run_is_quiet_and_its_progress_bar_is_in_step(tiny_model, train_file, tmp_path):
     out = tmp_path / "run"
     done = run_remix("--model", tiny_model, "--dataset", train_file, "--out", str(out), "--algo", "ppo", "--steps", "3",
-                     "--prompts-per-step", "10", "--max-response-tokens", "16", "--reincarnate-step", "2")
+                     "--prompts-per-step", "10", "--max-response-tokens", "16", "--reincarnate-step", "2",
+                     "--eval-every", "0")
     assert done.returncode == 0, done.stderr[-2000:]
     segments = [s for s in done.stderr.replace("\r", "\n").splitlines() if s.strip()]
     bar = [s for s in segments if re.match(r"remix:\s+\d+%", s)]
@@ -569,7 +572,7 @@ def test_two_processes_make_the_same_update_as_one(algo, tiny_model, train_file,
     case["args"].update(actor_lr=1e-4, critic_lr=1e-4)
     torch.save(case, tmp_path / "case.pt")
     one, one_stats = run_update(case)
-    done = torchrun(str(HERE / "test_runs.py"), "update", str(tmp_path / "case.pt"), str(tmp_path / "two.pt"))
+    done = torchrun(str(HERE / "tests" / "test_runs.py"), "update", str(tmp_path / "case.pt"), str(tmp_path / "two.pt"))
     assert done.returncode == 0, done.stderr[-3000:]
     two, two_stats = torch.load(tmp_path / "two.pt", weights_only=False)
     assert set(one) == set(two)
@@ -587,9 +590,9 @@ def distributed_main(argv: list[str]):
     """torchrun --nproc-per-node 2 test_remix.py update CASE.pt OUT.pt"""
 
     full, stats = run_update(torch.load(argv[1], weights_only=False))
-    if remix_utils.rank() == 0:
+    if dist.rank() == 0:
         torch.save((full, stats), argv[2])
-    remix_utils.barrier()
+    dist.barrier()
     os._exit(0)  # skip the process group's teardown, which can abort at exit
 
 
@@ -598,32 +601,32 @@ def engine_tokens_main(argv: list[str]):
     every vLLM call saved per rank (OUT/engine-tokens-rankR.pt), to compare the ranks of one engine."""
     import tyro
 
-    calls, real = [], remix.vllm_generate
+    calls, real = [], engines.vllm_generate
 
     def spy(*args, **kwargs):
         result = real(*args, **kwargs)
         calls.append([[ids for ids, _, _ in group] for group in result])
         return result
 
-    remix.vllm_generate = spy
+    engines.vllm_generate = spy
     remix.train(tyro.cli(remix.Args, args=argv[2:]))
-    torch.save(calls, Path(argv[1]) / f"engine-tokens-rank{remix_utils.rank()}.pt")
-    remix_utils.barrier()
+    torch.save(calls, Path(argv[1]) / f"engine-tokens-rank{dist.rank()}.pt")
+    dist.barrier()
     os._exit(0)
 
 
 def timeout_main(argv: list[str]):
     """torchrun --nproc-per-node 2 test_remix.py timeout SECONDS: rank 1 enters a barrier SECONDS late; rank 0 reports
     how long it waited before its barrier gave up."""
-    import torch.distributed as dist
+    import torch.distributed as torch_dist
 
-    remix_utils.init_distributed(timeout_minutes=0.05)  # 3 s
+    dist.init(timeout_minutes=0.05)  # 3 s
     start = time.time()
-    if dist.get_rank() == 1:
+    if torch_dist.get_rank() == 1:
         time.sleep(float(argv[1]))
         os._exit(0)
     try:
-        dist.barrier()
+        torch_dist.barrier()
         print("WAITED", time.time() - start, "no error", flush=True)
     except Exception as error:  # gloo: a timeout error from the barrier
         print("WAITED", time.time() - start, type(error).__name__, flush=True)
@@ -633,7 +636,7 @@ def timeout_main(argv: list[str]):
 def remix_cli(model, data, out, *extra) -> list[str]:
     return [str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out), "--steps", "4",
             "--reincarnate-step", "2", "--prompts-per-step", "10", "--max-response-tokens", "16",
-            "--mini-batch-prompts", "3", "--save-every", "2", *extra]
+            "--mini-batch-prompts", "3", "--save-every", "2", "--eval-every", "0", *extra]
 
 
 @pytest.mark.slow
@@ -673,7 +676,7 @@ def test_two_ranks_share_one_tensor_parallel_engine(tiny_model, train_file, tmp_
     out = tmp_path / "run"
     flags = remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "vllm", "--group-size", "2",
                       "--vllm-tp", "2", "--steps", "2")[1:]
-    done = torchrun(str(HERE / "test_runs.py"), "engine-tokens", str(out), *flags)
+    done = torchrun(str(HERE / "tests" / "test_runs.py"), "engine-tokens", str(out), *flags)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_metrics(out)
     assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(12, 0), (12, 8)]
@@ -686,7 +689,7 @@ def test_two_ranks_share_one_tensor_parallel_engine(tiny_model, train_file, tmp_
 
 @pytest.mark.slow
 def test_every_collective_waits_at_most_the_dist_timeout(tmp_path):
-    done = torchrun(str(HERE / "test_runs.py"), "timeout", "8", timeout=120)
+    done = torchrun(str(HERE / "tests" / "test_runs.py"), "timeout", "8", timeout=120)
     waited = [line.split() for line in done.stdout.splitlines() if line.startswith("WAITED")]
     assert len(waited) == 1 and waited[0][2] != "no", done.stdout + done.stderr[-2000:]
     assert 2.5 < float(waited[0][1]) < 10  # the 3 s timeout, not gloo's default of 30 minutes
@@ -883,13 +886,21 @@ FORKS = {  # fork -> what it changes in the log
 }
 
 
+def copy_project(folder: Path):
+    """remix.py, eval.py and the machinery package, copied into folder (a fork's working copy)."""
+    import shutil
+
+    for file in ("remix.py", "eval.py"):
+        shutil.copy(HERE / file, folder / file)
+    shutil.copytree(HERE / "machinery", folder / "machinery", ignore=shutil.ignore_patterns("__pycache__"))
+
+
 def run_fork(name: str | None, model, data, tmp_path) -> tuple[list[dict], bool]:
     """A copy of remix.py (with the fork's diff applied), a 2-step GRPO run on it with about half of the responses
     right; returns the metrics and whether a reference model was loaded."""
     fork = tmp_path / (name or "unforked")
     fork.mkdir()
-    for file in ("remix.py", "remix_utils.py", "eval.py", "tiny_model.py"):
-        (fork / file).write_text((HERE / file).read_text())
+    copy_project(fork)
     if name:
         applied = subprocess.run(["git", "apply", str(HERE / "docs" / "forks" / f"{name}.diff")], cwd=fork,
                                  capture_output=True, text=True)
@@ -933,8 +944,7 @@ def test_the_format_reward_fork_leaves_eval_pass_at_1_alone(tmp_path):
     for name in (None, "format_reward"):
         fork = tmp_path / (name or "unforked")
         fork.mkdir()
-        for file in ("remix.py", "remix_utils.py", "eval.py"):
-            (fork / file).write_text((HERE / file).read_text())
+        copy_project(fork)
         if name:
             subprocess.run(["git", "apply", str(HERE / "docs" / "forks" / f"{name}.diff")], cwd=fork, check=True)
         subprocess.run([sys.executable, str(fork / "eval.py"), "--regrade", str(samples), "--out", str(fork / "eval")],

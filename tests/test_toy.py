@@ -2,7 +2,7 @@
 of the longest worked answer in the real toy tokenizer, and the rollouts-to-target arithmetic on
 hand-made curves. The toy runs themselves are an experiment (python toy.py), not a test.
 
-    pytest -q test_toy.py
+    pytest -q tests/test_toy.py
 """
 
 import math
@@ -13,8 +13,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
-import toy  # noqa: E402
-from tiny_model import build_tokenizer  # noqa: E402
+from tests.tiny_model import build_tokenizer  # noqa: E402
+from toy import toy  # noqa: E402
 
 
 def test_problem_and_worked_answer_by_hand():

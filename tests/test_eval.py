@@ -1,11 +1,12 @@
 """Tests of eval.py: the grader on every real benchmark answer, pass@k against brute force, and a
 tiny-model evaluation end to end with real vLLM (CPU build).
 
-    pytest -q test_eval.py
+    pytest -q tests/test_eval.py
 """
 
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -17,12 +18,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import eval as evaluation  # noqa: E402
+import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
+from machinery import evaluation  # noqa: E402
+from tests.common import BENCH, ROOT  # noqa: E402
+from tests.tiny_model import build_tiny_model  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-BENCH = Path(os.environ.get("REMIX_DATA", HERE.parent / "shared" / "data")) / "benchmarks"
+HERE = ROOT
 
 
 def wrong_version(answer: str) -> str:
@@ -41,15 +43,14 @@ RESPONSES = ["Let me compute step by step. So the answer is \\boxed{%s}.",
 def test_grader_on_every_benchmark_answer():
     """A response ending in the gold answer grades right on >= 99.5% of the 1,600 problems of the six files;
     the same response with a changed number grades wrong on >= 99%."""
-    assert BENCH.is_dir(), f"benchmarks not found at {BENCH}; set REMIX_DATA to shared/data"
-    problems = [p for name in evaluation.BENCHMARKS
-                for p in evaluation.load_benchmark(name, evaluation.EvalArgs(data_dir=str(BENCH)))]
+    assert BENCH.is_dir(), f"benchmarks not found at {BENCH}"
+    problems = evaluation.load_benchmarks(list(evaluation.BENCHMARKS), None, None)
     assert len(problems) == 30 + 40 + 83 + 500 + 272 + 675
     items = []
     for i, p in enumerate(problems):
         template = RESPONSES[i % 3]
         items += [(template % p["answers"][0], p["answers"]), (template % wrong_version(p["answers"][0]), p["answers"])]
-    grades = remix.grade_many(items, workers=2, timeout=30)
+    grades = evaluation.grade_many(items, workers=2, timeout=30)
     right = [g[0] == 1.0 for g in grades[0::2]]
     wrong = [g[0] == 0.0 for g in grades[1::2]]
     misses = [(p["benchmark"], p["id"], p["answers"][0]) for p, ok in zip(problems, right) if not ok]
@@ -63,7 +64,7 @@ def test_grader_on_every_benchmark_answer():
 def test_grade_many_survives_a_hanging_answer():
     # 10^(10^(10^10)) hangs inside C code where math-verify's alarm cannot fire; only the pool's limit stops it
     items = [("\\boxed{10^{10^{10^{10}}}}", ["1"]), ("\\boxed{1}", ["1"]), ("\\boxed{2}", ["1"])]
-    assert remix.grade_many(items, workers=1, timeout=4) == [(0.0, "timeout"), (1.0, "ok"), (0.0, "ok")]
+    assert evaluation.grade_many(items, workers=1, timeout=4) == [(0.0, "timeout"), (1.0, "ok"), (0.0, "ok")]
 
 
 @pytest.mark.parametrize("n", range(1, 7))
@@ -77,10 +78,10 @@ def test_pass_at_k_against_enumeration(n):
 
 
 def test_gold_answers_layouts():
-    assert evaluation.gold_answers({"answer": "27"}) == ["27"]
-    assert evaluation.gold_answers({"answer": 27.0}) == ["27"]  # hub AMC copies
-    assert evaluation.gold_answers({"answer": "9.6", "answers": ["9.6", "9.60"]}) == ["9.6", "9.60"]  # Minerva
-    assert evaluation.gold_answers({"final_answer": ["$69$,$84$"]}) == ["69,84"]  # hub OlympiadBench
+    assert evaluation.gold_answers({"answer": "27"}, "row") == ["27"]
+    assert evaluation.gold_answers({"answer": 27.0}, "row") == ["27"]  # hub AMC copies
+    assert evaluation.gold_answers({"answer": "9.6", "answers": ["9.6", "9.60"]}, "row") == ["9.6", "9.60"]  # Minerva
+    assert evaluation.gold_answers({"final_answer": ["$69$,$84$"]}, "row") == ["69,84"]  # hub OlympiadBench
 
 
 def write_samples(path: Path, rows: list[dict]):
@@ -89,25 +90,31 @@ def write_samples(path: Path, rows: list[dict]):
 
 def test_regrade_scores_by_hand(tmp_path):
     rows = [
-        {"benchmark": "aime24", "id": 1, "answers": ["204"], "response": "\\boxed{204}", "response_tokens": 4},
-        {"benchmark": "aime24", "id": 1, "answers": ["204"], "response": "\\boxed{205}", "response_tokens": 6},
-        {"benchmark": "aime24", "id": 2, "answers": ["5"], "response": "wait, \\boxed{5}", "response_tokens": 8},
-        {"benchmark": "aime24", "id": 2, "answers": ["5"], "response": "no box", "response_tokens": 2},
-        {"benchmark": "minerva", "id": 7, "answers": ["9.6", "9.60"], "response": "\\boxed{9.60}", "response_tokens": 3},
-        {"benchmark": "minerva", "id": 7, "answers": ["9.6", "9.60"], "response": "\\boxed{9.7}", "response_tokens": 3},
+        {"benchmark": "aime24", "id": 1, "sample": 0, "answers": ["204"], "response": "\\boxed{204}", "response_tokens": 4},
+        {"benchmark": "aime24", "id": 1, "sample": 1, "answers": ["204"], "response": "\\boxed{205}", "response_tokens": 6},
+        {"benchmark": "aime24", "id": 2, "sample": 0, "answers": ["5"], "response": "wait, \\boxed{5}", "response_tokens": 8},
+        {"benchmark": "aime24", "id": 2, "sample": 1, "answers": ["5"], "response": "no box", "response_tokens": 2},
+        {"benchmark": "minerva", "id": 7, "sample": 0, "answers": ["9.6", "9.60"], "response": "\\boxed{9.60}",
+         "response_tokens": 3},
+        {"benchmark": "minerva", "id": 7, "sample": 1, "answers": ["9.6", "9.60"], "response": "\\boxed{9.7}",
+         "response_tokens": 3},
     ]
     write_samples(tmp_path / "samples.jsonl", rows)
-    summary = evaluation.main(evaluation.EvalArgs(regrade=str(tmp_path / "samples.jsonl"), out=str(tmp_path / "re")))
-    aime = summary["aime24"]
+    summary = eval_cli.main(eval_cli.EvalArgs(regrade=str(tmp_path / "samples.jsonl"), out=str(tmp_path / "re")))
+    aime = summary["greedy"]["aime24"]
     assert aime["pass@1"] == pytest.approx(50.0)  # 2 of 4 samples right
     assert aime["pass@2"] == pytest.approx(100.0)  # each problem has one right sample of two
+    # run 0 (each problem's first sample) gets both right, run 1 neither: 100 and 0, sd 70.7
+    assert aime["runs"] == 2 and aime["pass@1_std"] == pytest.approx(math.sqrt(2 * 50.0 ** 2))
     assert aime["no_boxed"] == pytest.approx(25.0) and aime["mean_tokens"] == pytest.approx(5.0)
     assert aime["self_reflection"] == pytest.approx(25.0)  # "wait"
-    assert summary["minerva"]["pass@1"] == pytest.approx(50.0) and summary["minerva"]["pass@2"] == pytest.approx(100.0)
-    assert summary["average"]["pass@1"] == pytest.approx(50.0)
+    minerva = summary["greedy"]["minerva"]
+    assert minerva["pass@1"] == pytest.approx(50.0) and minerva["pass@2"] == pytest.approx(100.0)
+    assert minerva["pass@1_std"] == pytest.approx(math.sqrt(2 * 50.0 ** 2))  # runs at 100 and 0: sd 70.7
+    assert summary["greedy"]["average"]["pass@1"] == pytest.approx(50.0)
     table = (tmp_path / "re" / "results.md").read_text()
-    assert "| benchmark | problems | pass@1 % | pass@2 % | no boxed % |" in table
-    assert "| aime24 | 2 | 50.00 | 100.00 | 25.00 | 5 | 25.00 | 0 |" in table and "| average |" in table
+    assert "| benchmark | problems | runs | pass@1 % | pass@2 % | sd across runs | no boxed % |" in table
+    assert "| aime24 | 2 | 2 | 50.00 | 100.00 | 70.71 | 25.00 | 5 | 25.00 | 0 | 0 |" in table and "| average |" in table
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +124,9 @@ def tiny_model(tmp_path_factory):
 
 def test_tiny_model_end_to_end_and_regrade(tiny_model, tmp_path):
     out = tmp_path / "eval"
-    args = evaluation.EvalArgs(model=tiny_model, benchmarks=("all", "amc23"), data_dir=str(BENCH), limit=2,
-                               max_tokens=16, out=str(out), n=2, temperature=1.0)
-    summary = evaluation.main(args)
+    args = eval_cli.EvalArgs(model=tiny_model, benchmarks=("all", "amc23"), limit=2, max_tokens=16, out=str(out), n=2,
+                             temperature=1.0)
+    summary = eval_cli.main(args)["t1"]
     samples = [json.loads(line) for line in (out / "samples.jsonl").open()]
     assert len(samples) == 6 * 2 * 2  # six benchmarks x 2 problems x 2 samples
     assert set(summary) == {"aime24", "amc83", "math500", "minerva", "olympiadbench", "amc23", "average"}
@@ -132,29 +139,30 @@ def test_tiny_model_end_to_end_and_regrade(tiny_model, tmp_path):
         assert entry["mean_tokens"] == pytest.approx(sum(s["response_tokens"] for s in rows) / 4)
         assert all(0 < s["response_tokens"] <= 16 and s["finish_reason"] in ("stop", "length") for s in rows)
         assert "pass@2" in entry
-    assert json.loads((out / "summary.json").read_text()) == summary
+    assert json.loads((out / "summary.json").read_text())["t1"] == summary
     # a second grading of the saved samples reproduces the summary
-    again = evaluation.main(evaluation.EvalArgs(regrade=str(out / "samples.jsonl"), out=str(tmp_path / "again")))
-    assert again == summary
+    again = eval_cli.main(eval_cli.EvalArgs(regrade=str(out / "samples.jsonl"), out=str(tmp_path / "again")))
+    assert again["t1"] == summary
     # the transformers sampler, greedy: one sample per problem, same files
-    hf = evaluation.main(evaluation.EvalArgs(model=tiny_model, benchmarks=("aime24",), data_dir=str(BENCH), limit=3,
-                                             max_tokens=8, out=str(tmp_path / "hf"), sampler="hf"))
+    hf = eval_cli.main(eval_cli.EvalArgs(model=tiny_model, benchmarks=("aime24",), limit=3, max_tokens=8,
+                                         out=str(tmp_path / "hf"), sampler="hf"))["greedy"]
     assert hf["aime24"]["samples"] == 3 and "pass@2" not in hf["aime24"]
 
 
 def run_cli(*argv) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(HERE / "eval.py"), *argv], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(HERE / "eval.py"), *argv], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
 def test_bad_input_gets_one_clear_line(tmp_path, tiny_model):
-    done = run_cli("--model", tiny_model, "--benchmarks", "aime25", "--data-dir", str(BENCH))
-    assert done.returncode != 0 and "unknown benchmark 'aime25'" in done.stderr and "math500" in done.stderr
+    done = run_cli("--model", tiny_model, "--benchmarks", "aime25", "--out", str(tmp_path / "a"))
+    assert done.returncode == 2 and "unknown benchmark 'aime25'" in done.stderr and "math500" in done.stderr
     assert "Traceback" not in done.stderr
-    done = run_cli("--model", str(tmp_path / "nope"), "--data-dir", str(BENCH))
-    assert done.returncode != 0 and f"model folder {str(tmp_path / 'nope')!r} does not exist" in done.stderr
-    done = run_cli("--model", tiny_model, "--data-dir", str(tmp_path / "nodata"))
-    assert done.returncode != 0 and str(tmp_path / "nodata") in done.stderr and "Traceback" not in done.stderr
+    done = run_cli("--model", str(tmp_path / "nope"))
+    assert done.returncode == 2 and f"model folder {str(tmp_path / 'nope')!r} does not exist" in done.stderr
+    done = run_cli("--model", tiny_model, "--data-dir", str(tmp_path / "nodata"), "--out", str(tmp_path / "b"))
+    assert done.returncode == 2 and str(tmp_path / "nodata") in done.stderr and "Traceback" not in done.stderr
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"benchmark": "aime24", "id": 1, "answers": ["1"], "response": "x"}) + "\n{oops\n")
-    done = run_cli("--regrade", str(broken))
-    assert done.returncode != 0 and "line 2" in done.stderr and "Traceback" not in done.stderr
+    done = run_cli("--regrade", str(broken), "--out", str(tmp_path / "c"))
+    assert done.returncode == 2 and "line 2" in done.stderr and "Traceback" not in done.stderr

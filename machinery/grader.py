@@ -1,0 +1,157 @@
+"""Worker processes that run a function on many items with a hard deadline per item: the grader. math-verify's
+own timeouts use SIGALRM, which works only on a process's main thread, and some answers hang inside C code
+where no signal reaches; a worker past its deadline is killed (the only way to stop such code) and replaced.
+The workers are plain subprocesses talking over pipes: nothing of the caller's __main__ is imported, so a script
+without a __main__ guard, `python -c`, `python -` and an interactive session all work. A reader of the method
+may skip this module: remix.score shows what is graded.
+"""
+
+import atexit
+import contextlib
+import importlib
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder that holds machinery/
+
+
+def _send(fd: int, obj):
+    data = pickle.dumps(obj)
+    data = len(data).to_bytes(8, "little") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _recv(fd: int):
+    """One message from a pipe between this process and its own workers (both sides are this module's code)."""
+    def exact(n):
+        chunks = []
+        while n:
+            chunk = os.read(fd, n)
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    return pickle.loads(exact(int.from_bytes(exact(8), "little")))
+
+
+def _worker_main():
+    """A worker: warm up, then run tasks (a module-level function by name, and its arguments) until its input
+    closes. Any function of an importable module: one pool serves the grader, the training reward and others."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
+    out = os.dup(1)
+    os.dup2(2, 1)  # prints of the task go to stderr, never into the protocol
+    warm = _recv(0)
+    if warm:
+        getattr(importlib.import_module(warm[0]), warm[1])(*warm[2])
+    _send(out, "ready")
+    while True:
+        try:
+            folder, module, name, args = _recv(0)
+        except EOFError:
+            return
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        if module not in sys.modules:  # a first import is no part of the task's time: the parent restarts its clock
+            importlib.import_module(module)
+            _send(out, "imported")
+        try:
+            _send(out, ("ok", getattr(importlib.import_module(module), name)(*args)))
+        except Exception as error:  # the caller decides; the worker lives on
+            _send(out, ("error", f"{type(error).__name__}: {error}"))
+
+
+def _importable(fn) -> tuple[str, str, str]:
+    """(folder, module, name) that a fresh interpreter can import fn from; __main__ maps to its file."""
+    module = fn.__module__
+    path = getattr(sys.modules[module], "__file__", None)
+    if module == "__main__":
+        if path is None:
+            raise ValueError("the worker function must live in an importable file")
+        module = os.path.splitext(os.path.basename(path))[0]
+    depth = module.count(".")  # a module of a package: the folder that holds the package
+    folder = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
+    for _ in range(depth):
+        folder = os.path.dirname(folder)
+    return folder, module, fn.__name__
+
+
+class _Worker:
+    def __init__(self, fn, warm, warm_args):
+        folder = _importable(fn)[0]
+        # the function's own folder first, before the working directory: a fork run from a folder that holds
+        # another remix.py must grade with its own reward
+        start = f"import sys; sys.path[:0] = {[folder, HERE]!r}; from machinery import grader; grader._worker_main()"
+        self.proc = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.getcwd())
+        self.write, self.read = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        _send(self.write, (*_importable(warm)[1:], warm_args) if warm else None)
+        self.task, self.started, self.ready = None, 0.0, False
+
+    def kill(self):
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+_pool: list[_Worker] = []
+
+
+def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout, warm=None, warm_args=()):
+    """[fn(*item) for item in items] in worker processes. A task still running `timeout` seconds after its
+    turn came gets `on_timeout`, and its worker is killed and replaced. warm(*warm_args) runs in each new worker
+    before it takes a task, so slow first imports never count against a deadline. The workers are kept between
+    calls, whatever their fn; fn and warm are module-level functions (one module of a name per process)."""
+    if workers < 1 or timeout <= 0:
+        raise ValueError(f"map_with_deadline needs workers >= 1 and timeout > 0, got {workers} and {timeout}")
+    task = _importable(fn)  # (folder, module, name)
+    while len(_pool) < workers:
+        _pool.append(_Worker(fn, warm, warm_args))
+    results, todo, done = [None] * len(items), list(range(len(items))), 0
+    while done < len(items):
+        now = time.monotonic()
+        for worker in _pool:
+            if worker.ready and worker.task is None and todo:
+                worker.task, worker.started = todo.pop(0), now
+                _send(worker.write, (*task, items[worker.task]))
+        deadlines = [w.started + timeout - now for w in _pool if w.task is not None]
+        readable, _, _ = select.select([w.read for w in _pool], [], [], max(min(deadlines, default=1.0), 0.0))
+        for i, worker in enumerate(_pool):
+            if worker.read in readable:
+                try:
+                    message = _recv(worker.read)
+                except EOFError:
+                    close_pool()
+                    raise RuntimeError(f"a worker process for {fn.__name__} exited (see its error above)") from None
+                if message in ("ready", "imported"):  # imports never count against a deadline
+                    worker.ready, worker.started = True, time.monotonic()
+                    continue
+                status, value = message
+                if status == "error":
+                    raise RuntimeError(f"{fn.__name__} failed in a worker process: {value}")
+                results[worker.task], worker.task, done = value, None, done + 1
+            elif worker.task is not None and time.monotonic() - worker.started >= timeout:
+                results[worker.task], done = on_timeout, done + 1
+                worker.kill()
+                _pool[i] = _Worker(fn, warm, warm_args)
+    return results
+
+
+def close_pool():
+    """End the worker processes; the next call starts fresh ones."""
+    global _pool
+    for worker in _pool:
+        worker.kill()
+    _pool = []
+
+
+atexit.register(close_pool)

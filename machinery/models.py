@@ -1,0 +1,182 @@
+"""The models: loading the policy, the frozen reference and the critic (precision, sharding, no dropout), the
+output layer computed in chunks of tokens, and the collation of samples into padded micro-batches. A reader of
+the method may skip this module: remix.policy_forward shows what is computed; this holds how it fits in memory.
+"""
+
+import os
+
+import torch
+
+from machinery import dist, run
+
+LOGPROB_CHUNK = 1024  # response tokens per slice of the output layer: a [1024, vocab] fp32 block is its peak
+
+
+def load(args, checkpoint: str | None = None):
+    """(policy, reference, critic). Policy and critic keep fp32 master weights: at lr 1e-6 a bf16
+    weight would round most updates away (Decision 7); with --precision bf16 they compute with bf16 copies
+    (FSDP2's mixed precision, one process too), and the frozen reference is stored in bf16, so before the first
+    update it computes exactly as the policy does. A resumed run loads all three from its checkpoint (the
+    reference only once reincarnated). Each loads on the CPU and is sharded before the next loads: no host ever
+    holds two whole models. No reference without a KL term (--kl-beta 0); no critic for GRPO."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    transformers.utils.logging.disable_progress_bar()
+    device, dtype = dist.device(), compute_dtype(args.precision)
+    checkpointing = device.type == "cuda" if args.gradient_checkpointing is None else args.gradient_checkpointing
+    if device.type == "cuda":  # the trainer's padded micro-batches must stay off cuDNN's attention kernel
+        use_safe_attention()
+
+    def trainable(model):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        without_dropout(model)  # updates run in training mode (Decision 12)
+        return dist.shard(model, device, dtype)
+
+    source = checkpoint or args.model
+    try:
+        policy = trainable(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32))
+    except (OSError, ValueError) as error:  # a folder without a model, a damaged or refused weights file
+        run.fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{run.offline_hint()}")
+    reincarnated = checkpoint and os.path.isdir(os.path.join(checkpoint, "reference"))
+    reference = None if args.kl_beta == 0 else dist.shard(AutoModelForCausalLM.from_pretrained(
+        os.path.join(checkpoint, "reference") if reincarnated else args.model, dtype=dtype).eval().requires_grad_(False),
+        device, dtype)
+    critic = None
+    if args.algo == "ppo":  # the paper's critic: the base model with a scalar head
+        critic_source = os.path.join(checkpoint, "critic") if checkpoint else args.model
+        config = AutoConfig.from_pretrained(critic_source, num_labels=1)
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # its load report lists the new head as MISSING
+        critic = trainable(AutoModelForTokenClassification.from_pretrained(critic_source, config=config,
+                                                                           dtype=torch.float32))
+        transformers.logging.set_verbosity(verbosity)
+        if not checkpoint:
+            run.say("critic: the base model with a new scalar value head (score.*), initialised at random")
+    return policy, reference, critic
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def use_safe_attention():
+    """Keep the trainer's attention off cuDNN's SDPA kernel. From torch 2.9 it is the default on H100/H200
+    (SM90/SM100), and its backward returns NaN in the query gradient when an explicit attention mask is passed,
+    the key length is 64 modulo 128 and a row's log-sum-exp is below about -88.7 (pytorch issue 196678, fixed
+    after the torch 2.14.0 wheels). Every padded micro-batch here has an explicit mask, so some backwards would
+    NaN, be skipped as non-finite and, three in a row, stop the run. Flash and memory-efficient SDPA remain.
+    (vLLM's attention is its own and does not use this kernel.)"""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def without_dropout(model):
+    """Every dropout off: the ratio pi_theta/mu compares a training-mode forward with no-grad ones, so they must
+    compute the same function. (A new critic head has dropout 0.1: transformers 5 ignores classifier_dropout.)"""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def collate(samples: list[dict], device=None) -> dict:
+    """Left-pad prompts and right-pad responses so response token j sits at column P + j in every row.
+    Padding is masked out, so its token id does not matter. A stand-in (dist.STAND_IN) has no response token.
+
+    Returns input_ids/attention_mask/position_ids [N, P + L], response_mask [N, L] and P.
+    """
+    prompt_len = max(len(s["prompt_ids"]) for s in samples)
+    resp_len = max(len(s["response_ids"]) for s in samples)
+    rows, masks = [], []
+    for s in samples:
+        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+        rows.append([0] * (prompt_len - p) + s["prompt_ids"] + s["response_ids"] + [0] * (resp_len - r))
+        masks.append([0] * (prompt_len - p) + [1] * (p + r) + [0] * (resp_len - r))
+    input_ids = torch.tensor(rows, device=device or dist.device())  # [N, P + L]
+    attention_mask = torch.tensor(masks, device=device or dist.device())  # [N, P + L]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P + L] left padding shifts positions
+    response_mask = attention_mask[:, prompt_len:].bool()  # [N, L]
+    response_mask[[bool(s.get("stand_in")) for s in samples]] = False
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "response_mask": response_mask, "prompt_len": prompt_len}
+
+
+def padded(samples: list[dict], key: str, device=None) -> torch.Tensor:
+    """A per-token vector stored with each sample, right-padded into [N, L] (on the trainer's device)."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    return pad_sequence([s[key] for s in samples], batch_first=True).to(device or dist.device())
+
+
+def response_mask(samples: list[dict]) -> torch.Tensor:
+    """[N, L], True on each sample's response tokens (right-padded, as padded() lays them out)."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    return pad_sequence([torch.ones(len(s["response_ids"]), dtype=torch.bool) for s in samples], batch_first=True) \
+        if samples else torch.zeros(0, 0, dtype=torch.bool)
+
+
+@torch.no_grad()
+def per_token(fn, model, samples: list[dict], max_tokens: int) -> list[torch.Tensor]:
+    """A no-grad pass of fn(model, micro-batch) -> [n, l] (log-probs or values) over the samples in micro-batches
+    of at most max_tokens padded tokens; one unpadded [L_i] CPU vector per sample. It ends by resharding the
+    model: a pass without backward would otherwise leave its root's weights whole (dist.reshard)."""
+    results = {}
+    for micro in dist.micro_batches(samples, max_tokens):
+        out = fn(model, collate(micro))  # [n, l]
+        # keyed by id(): micro_batches reorders the samples by length, and a dict is not hashable
+        results.update({id(s): out[j, : len(s["response_ids"])].float().cpu() for j, s in enumerate(micro)})
+    dist.reshard(model)
+    return [results[id(s)] for s in samples]
+
+
+# ----------------------------------------------------------------------------------------------
+# The output layer in chunks of tokens: log pi(a_t|s_t) and the entropy without [tokens, vocab] logits
+# ----------------------------------------------------------------------------------------------
+def chunked_logprobs(per_token_fn, hidden, weight, tokens, temperature: float, chunk: int | None = None):
+    """per_token_fn(logits [c, V], tokens [c], temperature) -> [c, 2] (remix.token_logprobs: log pi(a_t|s_t) and
+    the entropy) for every token, [N, 2], from the last hidden states [N, H], the output layer's weight [V, H] and
+    the tokens [N]: the same numbers as per_token_fn over the whole [N, V] logits, `chunk` tokens at a time, so
+    those logits never exist whole. The backward pass recomputes each chunk's logits. The output layer's gradient
+    is accumulated over the chunks in fp32 and rounded to the weight's dtype once (a bf16 weight's gradient summed
+    in bf16 would round at every chunk). Under a caller's autocast the weight is cast once per forward."""
+    return _ChunkedLogprobs.apply(hidden, weight, tokens, per_token_fn, temperature, chunk or LOGPROB_CHUNK)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, per_token_fn, temperature, chunk):
+        kind = hidden.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+        cast = weight.to(dtype)  # [V, H]; the weight itself when the dtypes agree
+        with torch.autocast(kind, enabled=False):
+            out = torch.cat([per_token_fn(hidden[i : i + chunk].to(dtype) @ cast.T, tokens[i : i + chunk], temperature)
+                             for i in range(0, len(tokens), chunk)])  # [N, 2]
+        ctx.save_for_backward(hidden, cast, tokens)
+        ctx.weight_dtype, ctx.per_token_fn, ctx.temperature, ctx.chunk = weight.dtype, per_token_fn, temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out [N, 2]
+        hidden, cast, tokens = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)  # [N, H]
+        grad_weight = torch.zeros(cast.shape, dtype=torch.float32, device=cast.device)  # [V, H], summed in fp32
+        with torch.autocast(hidden.device.type, enabled=False):
+            for i in range(0, len(tokens), ctx.chunk):
+                h = hidden[i : i + ctx.chunk].to(cast.dtype)  # [c, H]
+                with torch.enable_grad():
+                    logits = (h @ cast.T).detach().requires_grad_()  # [c, V]
+                    out = ctx.per_token_fn(logits, tokens[i : i + ctx.chunk], ctx.temperature)  # [c, 2]
+                    (grad_logits,) = torch.autograd.grad(out, logits, grad_out[i : i + ctx.chunk])  # [c, V]
+                grad_hidden[i : i + ctx.chunk] = (grad_logits.to(cast.dtype) @ cast).to(hidden.dtype)
+                grad_weight += _matmul_fp32(grad_logits.T, h)  # [V, H]
+        return grad_hidden, grad_weight.to(ctx.weight_dtype), None, None, None, None
+
+
+def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result, bf16 inputs multiplied exactly: cuBLAS's fp32 output on CUDA, fp32 elsewhere."""
+    if a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()

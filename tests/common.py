@@ -1,0 +1,96 @@
+"""What the test files share: the repository's folders, the tiny offline model and a file of short problems
+(fixtures), the tiny run's settings, and reading a run's metrics."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import build_tiny_model, write_short_problems
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+DATA = Path(os.environ.get("REMIX_DATA", ROOT / "data"))
+TRAIN = DATA / "train" / "deepscaler_partial.jsonl"
+BENCH = DATA / "benchmarks"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny") / "qwen2"))
+
+
+@pytest.fixture(scope="session")
+def train_file(tmp_path_factory):
+    """Short problems from the shipped DeepScaleR sample keep the byte-level prompts small."""
+    assert TRAIN.exists(), f"training data not found at {TRAIN}; REMIX_DATA points elsewhere"
+    return write_short_problems(TRAIN, tmp_path_factory.mktemp("data") / "train.jsonl", max_chars=120, limit=64)
+
+
+def tiny_args(model, data, out, **overrides):
+    import remix
+
+    base = dict(model=model, dataset=data, out=str(out), steps=3, prompts_per_step=10, max_response_tokens=24,
+                mini_batch_prompts=4, sampler="hf", save_every=0, seed=3, eval_every=0, log_completions=0)
+    base.update(overrides)
+    return remix.Args(**base)
+
+
+def read_metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+
+
+def full_state(model) -> dict:
+    """A model's state dict with whole tensors (every run's models are FSDP2-sharded, one process too)."""
+    from machinery import dist
+
+    return dict(dist.full_tensors(model))
+
+
+def plain_copy(model):
+    """An unsharded copy of a model with its current weights, for reference computations (FSDP2 modules cannot
+    be deep-copied). None stays None."""
+    if model is None:
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    copy = cls(model.config).eval()
+    copy.load_state_dict(full_state(model))
+    return copy
+
+
+def wait_into_step_3(proc, out, seconds: float):
+    """Wait (up to 300 s) until a running job has finished writing checkpoint-2, then seconds more, into step 3."""
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "trainer_state.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    time.sleep(seconds)
+
+
+def run_remix(*argv, cwd=None, env=None, timeout=300, program="remix.py"):
+    """remix.py (or eval.py) as a user runs it, offline; env entries set to None are removed."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
+    return subprocess.run([sys.executable, str(ROOT / program), *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+def one_error_line(done, text: str, prog: str = "remix", code: int = 2):
+    """The program stopped with exit code `code` and exactly one stderr line, `prog: error: ...text...`."""
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    assert done.returncode == code and len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") \
+        and text in lines[0], f"exit {done.returncode}:\n{done.stderr[-3000:]}"
+    return lines[0]
+
+
+def tiny_cli(model, data, out, *extra) -> list[str]:
+    """A short GRPO run of the tiny model on the transformers sampler, as command-line flags."""
+    return ["--model", model, "--dataset", data, "--out", str(out), "--sampler", "hf", "--algo", "grpo",
+            "--prompts-per-step", "4", "--group-size", "2", "--max-response-tokens", "8", "--eval-every", "0",
+            "--seed", "5", *extra]

@@ -1,0 +1,441 @@
+"""Nothing run, nothing lost: what a careful user and an attacker try against remix.py and eval.py. A resume or a
+regrade that executes no code from its folder, one run per folder, a full disk and damaged files, every numeric
+flag checked up front, data validated where it comes in, signals that end in one line, an evaluation that keeps
+its work, and the GPU review's CPU-testable items (the engine in process, a push that covers every weight).
+
+    pytest -q tests/test_hardening.py
+"""
+
+import ast
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import eval as eval_cli  # noqa: E402
+import remix  # noqa: E402
+from machinery import data, engines, evaluation, run  # noqa: E402
+from tests.common import ROOT, one_error_line, read_metrics, run_remix, tiny_args, tiny_cli  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------
+# Every numeric flag, in its range, up front
+# ----------------------------------------------------------------------------------------------
+def field_docstrings(path: Path, cls: str) -> dict:
+    """{field: its docstring} of a dataclass in a source file, read as tyro reads them."""
+    tree = ast.parse(path.read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+
+
+def bad_values(bound: str, integer: bool) -> list:
+    """Values just outside a range written as '>= 1', '> 0', 'in [0, 1)', ...; NaN and inf for floats."""
+    values = [] if integer else [float("nan"), float("inf")]
+    if bound.startswith(">"):
+        lo = float(bound.lstrip(">= "))
+        values.append(int(lo) - 1 if integer else (lo - 0.5 if bound.startswith(">=") else lo))
+    else:
+        lo, hi = (float(x) for x in bound[4:-1].split(","))
+        values += [int(lo) - 1, int(hi) + 1] if integer else [
+            lo - 0.1 if bound[3] == "[" else lo, hi + 0.1 if bound[-1] == "]" else hi]
+    return values
+
+
+@pytest.mark.parametrize("program, cls, ranges", [("remix.py", "Args", run.RANGES), ("eval.py", "EvalArgs", eval_cli.RANGES)])
+def test_every_numeric_flag_has_a_range_stated_in_its_help(program, cls, ranges):
+    import dataclasses
+    import typing
+
+    target = remix.Args if cls == "Args" else eval_cli.EvalArgs
+    hints = typing.get_type_hints(target)
+    numeric = {f.name for f in dataclasses.fields(target)
+               if {int, float} & set(typing.get_args(hints[f.name]) or (hints[f.name],)) - {bool}}
+    assert numeric == set(ranges), f"numeric flags without a range: {numeric - set(ranges)}; ranges of no flag: " \
+                                   f"{set(ranges) - numeric}"
+    docs = field_docstrings(ROOT / program, cls)
+    for name, bound in ranges.items():
+        assert bound in docs[name], f"--{name}'s help does not say {bound!r}: {docs[name]!r}"
+
+
+@pytest.mark.parametrize("name, bound", list(run.RANGES.items()))
+def test_each_bad_value_of_a_remix_flag_gets_one_line_and_writes_nothing(name, bound, tiny_model, train_file,
+                                                                         tmp_path, capsys):
+    import typing
+
+    integer = typing.get_type_hints(remix.Args)[name] in (int, int | None)
+    for value in bad_values(bound, integer):
+        out = tmp_path / "out"
+        with pytest.raises(SystemExit) as exit_info:
+            remix.train(tiny_args(tiny_model, train_file, out, **{name: value}))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1, (name, value, err)
+        assert err[0] == f"remix: error: --{name.replace('_', '-')} must be {bound}, got {value}"
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("name, bound", list(eval_cli.RANGES.items()))
+def test_each_bad_value_of_an_eval_flag_gets_one_line(name, bound, tiny_model, tmp_path, capsys):
+    import typing
+
+    integer = typing.get_type_hints(eval_cli.EvalArgs)[name] in (int, int | None)
+    for value in bad_values(bound, integer):
+        with pytest.raises(SystemExit) as exit_info:
+            eval_cli.main(eval_cli.EvalArgs(model=tiny_model, out=str(tmp_path / "out"), **{name: value}))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and err == [f"eval: error: --{name.replace('_', '-')} must be {bound}, "
+                                                     f"got {value}"], (name, value, err)
+        assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Data validated where it comes in
+# ----------------------------------------------------------------------------------------------
+def test_answers_of_any_stored_type_grade_alike_and_unusable_rows_are_skipped_with_a_count(tmp_path, capsys):
+    rows = [{"problem": "a", "answer": "5"}, {"problem": "b", "answer": 5}, {"problem": "c", "answer": 5.0},
+            {"problem": "d", "answer": None}, {"problem": "e", "answer": ["1", "2"]}, {"problem": "", "answer": "1"},
+            {"problem": None, "answer": "1"}, {"problem": "h", "answer": True}, {"problem": "i", "answer": " "}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert data.load_problems(str(path), "problem", "answer") == [("a", "5"), ("b", "5"), ("c", "5")]
+    out = capsys.readouterr().out
+    assert "skipped 6 of 9 rows" in out and "row 4" in out
+    assert remix.math_reward("so \\boxed{5}", 5) == remix.math_reward("so \\boxed{5}", "5") == 1.0
+    assert remix.math_reward("\\boxed{None}", "5") == 0.0
+    for bad in (None, "", ["5"], True, float("nan")):
+        with pytest.raises(ValueError, match="must be a non-empty string or a number"):
+            remix.math_reward("\\boxed{5}", bad)
+
+
+def test_a_regrade_never_iterates_a_string_answer(tmp_path):
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"benchmark": "aime24", "id": 1, "answers": "204", "response": "\\boxed{2}"},
+        {"benchmark": "aime24", "id": 2, "answers": 204, "response": "\\boxed{204}"},
+        {"benchmark": "aime24", "id": 3, "answers": ["204"], "response": "\\boxed{204}"}]))
+    summary = eval_cli.main(eval_cli.EvalArgs(regrade=str(samples), out=str(tmp_path / "re")))
+    graded = [json.loads(line) for line in (tmp_path / "re" / "samples.jsonl").open()]
+    assert [s["correct"] for s in graded] == [False, True, True]
+    assert summary["greedy"]["aime24"]["pass@1"] == pytest.approx(200 / 3)
+    samples.write_text(json.dumps({"benchmark": "aime24", "id": 1, "answers": [None], "response": "x"}) + "\n")
+    with pytest.raises(SystemExit):
+        eval_cli.main(eval_cli.EvalArgs(regrade=str(samples), out=str(tmp_path / "re2")))
+
+
+@pytest.mark.parametrize("case, content, message", [
+    ("first-line", '["problem"]\n', "row 1 is a JSON str, not an object"),
+    ("list-of-numbers", "[1, 2]", "row 1 is a JSON int, not an object"),
+    ("utf8", b"\xff\xfe{}\n", "is not UTF-8 text"),
+    ("parquet", b"PAR1 not really", "cannot read dataset"),
+    ("one-dict", '{\n  "problem": "1+1?",\n  "answer": "2"\n}\n', "holds one JSON object, not rows"),
+    ("folder", None, "is a folder, not a file"),
+    ("fifo", None, "is not a regular file"),
+])
+def test_every_broken_dataset_gets_one_line_that_names_it(case, content, message, tmp_path, capsys):
+    path = tmp_path / ("d.parquet" if case == "parquet" else "d.json" if case in ("list-of-numbers", "one-dict")
+                       else "d.jsonl")
+    if case == "folder":
+        path.mkdir()
+    elif case == "fifo":
+        os.mkfifo(path)
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        data.load_problems(str(path), "problem", "answer")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and message in err[0] and str(path) in err[0], err
+
+
+def test_late_bad_input_is_found_before_anything_is_written(tiny_model, train_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit):
+        remix.train(tiny_args(tiny_model, train_file, out, max_prompt_tokens=5))  # no prompt is that short
+    err = capsys.readouterr().err
+    assert "every prompt is longer than --max-prompt-tokens 5" in err and not out.exists()
+    with pytest.raises(SystemExit):
+        remix.train(tiny_args(tiny_model, train_file, out, eval_every=1, eval_data_dir=str(tmp_path / "none")))
+    assert "benchmark folder" in capsys.readouterr().err and not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The run folder: where it may be, one run at a time
+# ----------------------------------------------------------------------------------------------
+def test_an_out_inside_a_run_or_under_a_file_is_refused_before_the_model_loads(tiny_model, train_file, tmp_path,
+                                                                              capsys):
+    remix.train(tiny_args(tiny_model, train_file, tmp_path / "run", steps=1))
+    for nested in (tmp_path / "run" / "sub", tmp_path / "run" / "checkpoint-1" / "sub"):
+        with pytest.raises(SystemExit):
+            remix.train(tiny_args(tiny_model, train_file, nested, steps=1))
+        assert f"is inside the run folder {tmp_path / 'run'}" in capsys.readouterr().err and not nested.exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        remix.train(tiny_args(tiny_model, train_file, tmp_path / "file" / "run", steps=1))
+    assert "which is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_folder_cannot_both_start(tiny_model, train_file, tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, str(ROOT / "remix.py"), *tiny_cli(tiny_model, train_file, out,
+                                                                                "--steps", "200")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists():
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.1)
+        line = one_error_line(run_remix(*tiny_cli(tiny_model, train_file, out, "--overwrite")), "is in use by a "
+                                                                                                 "running job")
+        assert str(first.pid) in line
+        one_error_line(run_remix("--resume", str(out)), "is in use by a running job")
+    finally:
+        first.kill()
+        first.wait()
+    assert (out / "metrics.jsonl").exists()  # the refused runs removed nothing
+    done = run_remix("--resume", str(out), "--steps", "2")  # the lock died with its process
+    assert done.returncode == 0 or "holds no complete checkpoint" in done.stderr, done.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# A resume that runs no code, a full disk, damaged files
+# ----------------------------------------------------------------------------------------------
+class Payload:
+    """Unpickled by an unrestricted loader, it would run a shell command (touch MARKER)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model, train_file, tmp_path_factory):
+    """A two-step PPO run with a checkpoint after each step (PPO: a critic folder too)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    done = run_remix(*tiny_cli(tiny_model, train_file, out, "--algo", "ppo", "--group-size", "1", "--steps", "2",
+                               "--save-every", "1", "--keep-last", "0"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def plant(folder: Path, name: str, marker: Path):
+    checkpoint = folder / "checkpoint-2"
+    if name in ("trainer_state.pt", "optim/rank-0.pt"):
+        state = torch.load(checkpoint / name, weights_only=True)
+        torch.save({"payload": Payload(marker), "state": state}, checkpoint / name)
+    elif name in ("model.safetensors", "critic/model.safetensors"):
+        target = checkpoint / name
+        torch.save({"payload": Payload(marker)}, target.parent / "pytorch_model.bin")
+        target.unlink()
+    elif name == "tokenizer_config.json":
+        config = json.loads((checkpoint / name).read_text())
+        config["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+        (checkpoint / name).write_text(json.dumps(config))
+        (checkpoint / "evil.py").write_text(f"import os\nos.system('touch {marker}')\n")
+    elif name == "config.json":
+        config = json.loads((checkpoint / name).read_text())
+        config["auto_map"] = {"AutoModelForCausalLM": "evil.EvilModel"}
+        (checkpoint / name).write_text(json.dumps(config))
+        (checkpoint / "evil.py").write_text(f"import os\nos.system('touch {marker}')\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["trainer_state.pt", "optim/rank-0.pt", "model.safetensors", "critic/model.safetensors",
+                                  "tokenizer_config.json", "config.json"])
+def test_a_payload_planted_in_any_file_a_resume_reads_never_runs(name, finished_run, tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "MARKER"
+    shutil.copytree(finished_run, out)
+    plant(out, name, marker)
+    done = run_remix("--resume", str(out), "--steps", "3")
+    assert not marker.exists(), f"the payload in {name} ran"
+    if name.endswith(".pt"):  # refused outright, naming the file
+        one_error_line(done, f"checkpoint-2/{name} holds objects the safe loader refuses")
+    elif name.endswith(".safetensors"):  # the newest checkpoint has no weights: named, and the one before resumes
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert f"{out / 'checkpoint-2' / Path(name).parent} holds no model.safetensors" in done.stdout
+        assert f"resuming from {out / 'checkpoint-1'} instead" in done.stdout
+    else:  # remote code is never trusted: the run either ignores the map or stops with one line
+        assert done.returncode in (0, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated-weights", "truncated-state", "missing-optim", "partial-metrics"])
+def test_damaged_files_are_named_and_the_previous_checkpoint_resumes(damage, finished_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    newest = out / "checkpoint-2"
+    if damage == "truncated-weights":
+        weights = newest / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "truncated-state":
+        state = newest / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[:200])
+    elif damage == "missing-optim":
+        shutil.rmtree(newest / "optim")
+    else:
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write('{"step": 3, "reward/me')  # what a crash mid-write leaves
+    done = run_remix("--resume", str(out), "--steps", "3")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    if damage == "partial-metrics":
+        assert "dropped an unreadable line" in done.stdout
+        assert "resuming" in done.stdout and "after step 2" in done.stdout
+    else:
+        assert "checkpoint-2" in done.stdout and f"resuming from {out / 'checkpoint-1'} instead" in done.stdout
+        assert "after step 1" in done.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_ends_in_one_line_and_keeps_the_earlier_ones(finished_run, tmp_path):
+    """A real write failure: the resumed process may write no file larger than 300 kB (RLIMIT_FSIZE, SIGXFSZ
+    ignored), so the model file of checkpoint-3 fails as on a full disk, in whatever writer hits it first."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    done = subprocess.run([sys.executable, str(ROOT / "remix.py"), "--resume", str(out), "--steps", "3"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_files,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    errors = [line for line in done.stderr.replace("\r", "\n").splitlines() if "error" in line.lower()]
+    assert done.returncode == 2 and len(errors) == 1 and "cannot write checkpoint" in errors[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and str(out / "checkpoint-3") in errors[0]
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-1", "checkpoint-2"]
+    from transformers import AutoModelForCausalLM
+
+    assert all(torch.isfinite(p).all() for p in AutoModelForCausalLM.from_pretrained(out / "checkpoint-2").parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# Signals: one line from the first instant, and the signal's exit code
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("program", ["remix.py", "eval.py"])
+def test_ctrl_c_while_torch_imports_ends_in_one_line(program, tmp_path):
+    proc = subprocess.Popen([sys.executable, str(ROOT / program), "--model", "x/y"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    time.sleep(0.5)  # the first line of the program has run; torch is still importing
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 130 and len(lines) == 1 and "interrupted while starting" in lines[0], err[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code, name", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                                 (signal.SIGHUP, 129, "hung up (SIGHUP)")])
+def test_sigterm_and_sighup_end_a_run_with_one_line(signum, code, name, tiny_model, train_file, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "remix.py"), *tiny_cli(tiny_model, train_file, out, "--steps",
+                                                                               "100", "--save-every", "1")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    deadline = time.time() + 120
+    while not (out / "checkpoint-1" / "trainer_state.pt").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("remix: ") and "%" not in line]
+    assert proc.returncode == code and len(lines) == 1 and lines[0].startswith(f"remix: {name} at step "), err[-2000:]
+    assert f"continue with --resume {out}" in lines[0] and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------
+# eval.py keeps its work
+# ----------------------------------------------------------------------------------------------
+EVAL_FLAGS = ["--benchmarks", "aime24", "amc83", "math500", "--limit", "2", "--max-tokens", "6", "--sampler", "hf"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_eval_keeps_what_it_finished_and_continues(tiny_model, tmp_path):
+    straight = run_remix("--model", tiny_model, "--out", str(tmp_path / "straight"), *EVAL_FLAGS, program="eval.py")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    out = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "eval.py"), "--model", tiny_model, "--out", str(out),
+                             *EVAL_FLAGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    deadline = time.time() + 120
+    while not (out / "samples.jsonl").exists() or not (out / "samples.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("eval: greedy")]
+    assert proc.returncode == 130 and len(lines) == 1 and "rerun the same command to continue" in lines[0], err
+    kept = [json.loads(line) for line in (out / "samples.jsonl").open()]
+    assert kept and len(kept) < 6
+    done = run_remix("--model", tiny_model, "--out", str(out), *EVAL_FLAGS, program="eval.py")
+    assert done.returncode == 0 and "continuing" in done.stdout, done.stderr[-2000:]
+    key = lambda s: (s["benchmark"], str(s["id"]))  # noqa: E731
+    finished = sorted((json.loads(line) for line in (out / "samples.jsonl").open()), key=key)
+    assert finished == sorted((json.loads(line) for line in (tmp_path / "straight" / "samples.jsonl").open()), key=key)
+    changed = run_remix("--model", tiny_model, "--out", str(out), *EVAL_FLAGS[:-2], "--max-tokens", "7",
+                        program="eval.py")
+    one_error_line(changed, "holds an evaluation with other settings (--max-tokens)", "eval")
+
+
+def test_eval_refuses_a_model_folder_without_weights_and_a_broken_benchmark(tmp_path, capsys, tiny_model):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        eval_cli.main(eval_cli.EvalArgs(model=str(tmp_path / "empty"), out=str(tmp_path / "a")))
+    assert "holds no model weights" in capsys.readouterr().err
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "aime24.jsonl").write_text('{"problem": "1+1?", "answer": "2"}\n{oops\n')
+    with pytest.raises(SystemExit):
+        eval_cli.main(eval_cli.EvalArgs(model=tiny_model, benchmarks=("aime24",), data_dir=str(bench),
+                                        out=str(tmp_path / "b")))
+    err = capsys.readouterr().err
+    assert "line 2 is not valid JSON" in err and str(bench / "aime24.jsonl") in err
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU review, where a CPU shows it: the engine in this process, every weight pushed, the trainer's threads
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_engine_runs_in_process_and_a_push_that_misses_a_weight_stops_the_run(tiny_model, monkeypatch, capsys):
+    from machinery import dist
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's environment asks for another process
+    dist.init()
+    args = remix.finalize_args(remix.Args(model=tiny_model, max_prompt_tokens=64, max_response_tokens=16))
+    llm = engines.start(args)
+    assert type(llm.llm_engine.engine_core).__name__ == "InprocClient"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING is ignored" in capsys.readouterr().out
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model)
+    engines.push_weights(llm, policy, sleep=False)  # every weight: no complaint
+    real = dist.full_tensors
+    monkeypatch.setattr(dist, "full_tensors", lambda model: ((n, t) for n, t in real(model) if "layers.1.mlp" not in n))
+    with pytest.raises(SystemExit):
+        engines.push_weights(llm, policy, sleep=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "left some of the engine's weights unset" in err[0] and "layers.1.mlp" in err[0]
+
+
+def test_the_trainers_thread_count_survives_what_an_engine_start_does():
+    before = torch.get_num_threads()
+    with engines.kept_threads():
+        torch.set_num_threads(1)  # what vLLM's start does on a GPU machine
+    assert torch.get_num_threads() == before
