@@ -180,8 +180,10 @@ def start_sampler(args: EvalArgs, prompts: list[list[int]]):
                               max_prompt_tokens=max(map(len, prompts)), max_response_tokens=args.max_tokens,
                               vllm_sleep=False, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
         return engines.start(settings)
+    import transformers
     from transformers import AutoModelForCausalLM
 
+    transformers.utils.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
     return model.to(dist.device()).eval()
 
@@ -209,7 +211,9 @@ def evaluate(args: EvalArgs) -> list[dict]:
     sampler = start_sampler(args, [p for ps in prompts.values() for p in ps])
     try:
         generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples)
-    except KeyboardInterrupt:
+    except BaseException as error:  # a signal, or what the code it landed in made of it
+        if not (isinstance(error, KeyboardInterrupt) or run.interrupted()):
+            raise
         raise run.Stopped(f"interrupted; the {len({(s['run'], s['benchmark'], s['repeat']) for s in samples})} "
                           f"finished runs of benchmarks are in {args.out}/samples.jsonl: rerun the same command to "
                           f"continue") from None

@@ -417,8 +417,8 @@ def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
 
 
 def stage(step: int, args: Args) -> tuple[bool, float, int]:
-    """Mix stage (p, m) through step T; after it, plain on-policy: p = 0 and m = 1 (Eq. 6, Decision 6)."""
-    mixing = not args.reincarnation or step <= args.reincarnate_step
+    """Mix stage (p, m) through step T; after it, and in --on-policy runs, p = 0 and m = 1 (Eq. 6, Decision 6)."""
+    mixing = not args.on_policy and (not args.reincarnation or step <= args.reincarnate_step)
     return mixing, (args.off_policy_p if mixing else 0.0), (args.utd if mixing else 1)
 
 
@@ -618,8 +618,8 @@ def train(args: Args, on_step=None) -> dict:
             # uniformly from the last N batches (each rank from its own deque, Decision 17), then pi_k and values
             behaviour_and_reference(fresh, policy, reference, args)
             history = [s for g in draw_history(replay, dist.per_rank(args.prompts_per_step - n_fresh)) for s in g]
-            if mixing:
-                replay.append(groups)  # the deque stores fresh batches only and drops the oldest
+            if p > 0:  # the deque stores fresh batches, while they can be replayed, and drops the oldest
+                replay.append(groups)
             batch = fresh + history
             prox_and_values(fresh, history, policy, critic, args)
             # 5. advantages, 6. utd passes of Mix-PPG + KL-Convex updates
@@ -637,12 +637,7 @@ def train(args: Args, on_step=None) -> dict:
             record = {"step": step, "phase": "mix" if mixing else "on-policy", "kl_convex/lambda": lam,
                       "train/utd": utd, "replay/deque_size": len(replay),
                       **run.step_metrics(step, fresh, history, advantages, stats, args)}
-            if on_step is not None:
-                on_step(step, record, policy, tokenizer, batch)
-            for s in batch:  # what is recomputed every step is not kept in the deque
-                for key in ("prox_logp", "values", "advantages", "value_targets"):
-                    s.pop(key, None)
-            session.end_step(record, fresh, history)
+            session.end_step(record, fresh, history, on_step)  # then on_step(step, record, policy, tokenizer, batch)
     return dict(policy=policy, reference=reference, critic=critic, replay=replay, llm=llm, tokenizer=tokenizer)
 
 

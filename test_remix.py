@@ -1,9 +1,9 @@
 """Tests of remix.py's method, in the file's order: each formula against an independent reference (a naive loop,
 a hand-worked example, an exact expectation), and the training loop checked step by step against independent
-recomputation, on a tiny offline Qwen2 model with real transformers and math-verify. test_runs.py runs the whole
+recomputation, on a tiny offline Qwen2 model with real transformers and math-verify. tests/test_runs.py runs the whole
 program: the command line, crashes, several processes, vLLM, the GPU's numerics on the CPU and the forks.
 
-    pytest -q test_remix.py test_runs.py
+    pytest -q test_remix.py
 
 Where each piece of the paper is tested:
     Sec. 7 reward, answer check              test_math_reward, test_grade_response_reports_status
@@ -539,7 +539,7 @@ def test_on_policy_means_no_replay_no_extra_passes_no_switch_and_kl_to_the_base(
                           kl_convex_every=1))
     rows = read_metrics(tmp_path)
     assert [(r["batch/historical"], r["train/utd"], r["kl_convex/lambda"], r["phase"]) for r in rows] == \
-        [(0, 1, 1.0, "mix"), (0, 1, 1.0, "mix")]
+        [(0, 1, 1.0, "on-policy"), (0, 1, 1.0, "on-policy")]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -161,17 +161,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # grad_out [N, 2]
         hidden, cast, tokens = ctx.saved_tensors
+        cast = cast.detach()  # the weight itself when no cast was needed: its gradient is summed here, not by autograd
         grad_hidden = torch.empty_like(hidden)  # [N, H]
         grad_weight = torch.zeros(cast.shape, dtype=torch.float32, device=cast.device)  # [V, H], summed in fp32
         with torch.autocast(hidden.device.type, enabled=False):
             for i in range(0, len(tokens), ctx.chunk):
-                h = hidden[i : i + ctx.chunk].to(cast.dtype)  # [c, H]
+                h = hidden[i : i + ctx.chunk].detach().to(cast.dtype).requires_grad_()  # [c, H]
+                seen = []  # the gradient of this chunk's logits, caught on its way to h
                 with torch.enable_grad():
-                    logits = (h @ cast.T).detach().requires_grad_()  # [c, V]
+                    logits = h @ cast.T  # [c, V]; freed as soon as the per-token function has used it
+                    logits.register_hook(seen.append)
                     out = ctx.per_token_fn(logits, tokens[i : i + ctx.chunk], ctx.temperature)  # [c, 2]
-                    (grad_logits,) = torch.autograd.grad(out, logits, grad_out[i : i + ctx.chunk])  # [c, V]
-                grad_hidden[i : i + ctx.chunk] = (grad_logits.to(cast.dtype) @ cast).to(hidden.dtype)
-                grad_weight += _matmul_fp32(grad_logits.T, h)  # [V, H]
+                    del logits
+                    out.backward(grad_out[i : i + ctx.chunk])
+                grad_hidden[i : i + ctx.chunk] = h.grad.to(hidden.dtype)
+                grad_weight += _matmul_fp32(seen.pop().T, h.detach())  # [V, H]
         return grad_hidden, grad_weight.to(ctx.weight_dtype), None, None, None, None
 
 

@@ -190,7 +190,8 @@ def lock(out: str, prog: str = "remix"):
     """Create --out and hold an exclusive lock on OUT/.remix.lock for the whole run (the kernel releases it when the
     process dies, however it dies): a second run, or a resume, of a folder in use is refused with one line."""
     error = None
-    if dist.rank() == 0:
+    if dist.rank() == 0 and not any(os.path.samefile(os.path.dirname(h.name), out) for h in _locks
+                                    if os.path.isdir(out)):
         try:
             os.makedirs(out, exist_ok=True)
             handle = open(os.path.join(out, LOCK), "a+")
@@ -487,7 +488,9 @@ def main(program, prog: str = "remix"):
 
     try:
         result = program()
-    except KeyboardInterrupt as interrupt:
+    except BaseException as interrupt:  # what breaks after a signal (code that wraps it in its own error) is the signal
+        if not (isinstance(interrupt, KeyboardInterrupt) or interrupted()):
+            raise
         grader.close_pool()
         signum = _interrupt["seen"] or signal.SIGINT
         if dist.rank() == 0:
@@ -519,6 +522,8 @@ class Session:
                 "CUDA_VISIBLE_DEVICES")
         self.checkpoint, self.state, self.optim_state = None, None, None
         if args.resume:  # the run's saved arguments and newest readable checkpoint; --steps may extend it
+            if os.path.isdir(args.resume):
+                lock(args.resume)  # first: a folder another job writes into is not read
             self.checkpoint, self.state, self.optim_state = checkpoints.latest(args.resume)
             done = self.state["progress"]["step"]
             args = checkpoints.resume_args(args, self.state["args"], done)
@@ -618,13 +623,16 @@ class Session:
         self.laps[name], self.clock = now - self.clock, now
 
     def evaluate(self, step: int) -> dict:
+        """The evaluation's eval/* entries, and its seconds as perf/eval_s."""
         from machinery import evaluation
 
-        return evaluation.during_training(self, step)
+        start = time.perf_counter()
+        return {**evaluation.during_training(self, step), "perf/eval_s": time.perf_counter() - start}
 
-    def end_step(self, record: dict, fresh: list[dict], history: list[dict]):
-        """The step's record completed (rollouts, timings, an evaluation when due) and written with a few of its
-        completions; a checkpoint when due."""
+    def end_step(self, record: dict, fresh: list[dict], history: list[dict], on_step=None):
+        """The step's record completed (rollouts, timings, an evaluation when due), handed to on_step(step, record,
+        policy, tokenizer, batch) if given, and written with a few of its completions; what the next step recomputes
+        (pi_k, values, advantages) dropped from the samples, which the deque keeps; a checkpoint when due."""
         from machinery import checkpoints
 
         args, step = self.args, record["step"]
@@ -638,6 +646,11 @@ class Session:
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             record.update(self.evaluate(step))
         record["perf/step_s"] = time.perf_counter() - self.started
+        if on_step is not None:
+            on_step(step, record, self.models["policy"], self.tokenizer, fresh + history)
+        for sample in fresh + history:
+            for key in ("prox_logp", "values", "advantages", "value_targets"):
+                sample.pop(key, None)
         self.log.write(record)
         self.log.completions(step, completion_rows(step, fresh + history, self.tokenizer, args.log_completions,
                                                    self.method.final_answer))

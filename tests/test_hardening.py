@@ -388,8 +388,7 @@ def test_an_interrupted_eval_keeps_what_it_finished_and_continues(tiny_model, tm
     key = lambda s: (s["benchmark"], str(s["id"]))  # noqa: E731
     finished = sorted((json.loads(line) for line in (out / "samples.jsonl").open()), key=key)
     assert finished == sorted((json.loads(line) for line in (tmp_path / "straight" / "samples.jsonl").open()), key=key)
-    changed = run_remix("--model", tiny_model, "--out", str(out), *EVAL_FLAGS[:-2], "--max-tokens", "7",
-                        program="eval.py")
+    changed = run_remix("--model", tiny_model, "--out", str(out), *EVAL_FLAGS, "--max-tokens", "7", program="eval.py")
     one_error_line(changed, "holds an evaluation with other settings (--max-tokens)", "eval")
 
 
@@ -426,6 +425,7 @@ def test_the_engine_runs_in_process_and_a_push_that_misses_a_weight_stops_the_ru
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model)
     engines.push_weights(llm, policy, sleep=False)  # every weight: no complaint
+    capsys.readouterr()
     real = dist.full_tensors
     monkeypatch.setattr(dist, "full_tensors", lambda model: ((n, t) for n, t in real(model) if "layers.1.mlp" not in n))
     with pytest.raises(SystemExit):
