@@ -1,8 +1,9 @@
 """The GPU paths of remix.py, measured on a model shaped like DeepSeek-R1-Distill-Qwen-1.5B (random weights,
-built offline: no hub needed). One command on a GPU machine, under 5 minutes; the parts that need vLLM or two
-GPUs run when they are there and are reported as skipped when not.
+built offline: no hub needed), and the checks of the GPU review. One command on a GPU machine, under 5 minutes;
+the parts that need vLLM or two GPUs run when they are there and are reported as skipped when not.
 
-    python benchmarks/gpu_check.py OUT_DIR [--quick: 128-token responses end to end] [--parts micro,ppo,grpo,tp]
+    python benchmarks/gpu_check.py OUT_DIR [--quick: 128-token responses end to end]
+                                           [--parts attention,fp32,micro,reshard,ppo,grpo,tp]
     torchrun --nproc-per-node 1 benchmarks/gpu_check.py OUT_DIR     # the same under torchrun, world size 1
 
 Without CUDA it runs the same code on the CPU with a tiny model and short lengths, as a dry run.
@@ -19,9 +20,31 @@ Without CUDA it runs the same code on the CPU with a tiny model and short length
 3. tp (two or more GPUs and vLLM): `torchrun --nproc-per-node 2` of one engine sharded over both ranks
    (--vllm-tp 2): the two ranks must hold identical token ids for the engine's prompts.
 
+The GPU review's checks, each a short measurement that would have caught its defect (JSON key in brackets):
+4. attention [cudnn_attention]: with `models.use_safe_attention()` in effect (cuDNN's SDPA off, as `models.load`
+   sets it on CUDA), a 2-layer bf16 Qwen2 of the 1.5B's width: for key lengths 64, 192 and 320 (64 mod 128,
+   where cuDNN's backward NaNs the query gradient under an explicit mask), a left-padded pair of samples in one
+   `models.collate` batch against each sample alone, through `remix.policy_forward` and a backward: log-probs
+   equal within bf16 tolerance, gradients finite and equal within tolerance. For information only: whether the
+   same padded backward gives NaN with cuDNN's SDPA enabled and preferred. On the CPU: the same code, CPU attention.
+5. reshard [reference_reshard]: memory allocated before and after a no-grad reference pass
+   (`models.per_token(remix.logp_of(args), reference, ...)`): the root's weights must be sharded (DTensor) again
+   after it and the memory back near its level before (GiB; 0 on the CPU). Runs with micro's models.
+6. [threads] (vLLM): torch's CPU thread count before and after `engines.start` inside the first end-to-end run
+   (vLLM sets it to 1 on GPU unless OMP_NUM_THREADS is set, which is unset for the start): must be equal.
+7. [push_check] (vLLM): after that run, a state dict with one layer's weight left out pushed through
+   `collective_rpc("reload_weights")` under `engines.warnings_from(engines.RELOAD_LOG)`: vLLM's "not loaded"
+   warning must be heard (what `engines.push_weights` stops on), and a full push must hear none.
+8. fp32 [fp32_head_grad]: `models._matmul_fp32` of a [4096, 1024] x [1024, 1536] bf16 product (the output
+   layer's gradient; `torch.mm(..., out_dtype=torch.float32)` on CUDA, the fp32 fallback elsewhere) against
+   the product in float64: an fp32 result within fp32 rounding.
+On the CPU, 6 and 7 run as a dry run of the same code when vLLM is installed; what needs CUDA alone (the cuDNN
+comparison) is reported as "skipped: needs CUDA".
+
 Writes OUT_DIR/gpu_check.json and prints each figure as it is measured.
 """
 
+import gc
 import importlib.util
 import json
 import os
@@ -31,18 +54,36 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
 import remix  # noqa: E402
-import remix_utils  # noqa: E402
-from tiny_model import build_tokenizer  # noqa: E402
+from machinery import dist, engines, models  # noqa: E402
+from tests.tiny_model import build_tokenizer  # noqa: E402
 
 GIB = 2**30
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 VLLM = importlib.util.find_spec("vllm") is not None
+NEEDS_CUDA = "skipped: needs CUDA"
+PARTS = ["attention", "fp32", "micro", "reshard", "ppo", "grpo", "tp"]
+
+
+def guarded(name: str, fn, *args) -> dict:
+    """fn(*args), one of the review's checks. On CUDA a check that raises is recorded with its error and the rest
+    still run (a GPU session's minutes are few); the CPU dry run raises, so that a broken check fails its test."""
+    try:
+        return fn(*args)
+    except Exception as error:
+        if not CUDA:
+            raise
+        import traceback
+
+        print(f"gpu_check: {name} failed: {error!r}", flush=True)
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"[:500],
+                "traceback": traceback.format_exc()[-2000:]}
 
 
 def memory(peak: bool = False) -> int:
@@ -78,26 +119,80 @@ def build_model(path: Path) -> None:
     print(f"gpu_check: built {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters", flush=True)
 
 
-def end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: int) -> dict:
+def end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: int, report: dict | None = None) -> dict:
+    """With report (the first end-to-end run, vLLM installed): the threads and push_check checks too."""
     reset_peak()
     extra = dict(prompts_per_step=10, group_size=1, mini_batch_prompts=5) if algo == "ppo" else \
         dict(prompts_per_step=5, group_size=4, mini_batch_prompts=3)
     sampler = "vllm" if VLLM else "hf"
     args = remix.Args(algo=algo, model=str(model), dataset=str(data), out=str(out / algo), steps=3,
                       reincarnate_step=2, max_response_tokens=response_tokens, max_prompt_tokens=256, sampler=sampler,
-                      save_every=0, grader_workers=2, overwrite=True, precision="bf16",
+                      save_every=0, grader_workers=2, overwrite=True, precision="bf16", eval_every=0,
                       vllm_gpu_memory_utilization=0.3, **extra)
+    threads, real_start = {}, engines.start
+    if report is not None and sampler == "vllm":
+        engines.start = lambda *a, **k: counted_start(real_start, threads, *a, **k)
     start = time.perf_counter()
-    remix.train(args)
+    try:
+        state = remix.train(args)
+    finally:
+        engines.start = real_start
+    seconds = time.perf_counter() - start
     rows = [json.loads(line) for line in open(out / algo / "metrics.jsonl")]
     keys = ("phase", "perf/step_s", "perf/weight_sync_s", "train/optimizer_steps", "response/length_mean",
             "losses/policy_loss", "kl/ref", "rollouts/total", "mismatch/abs_log_ratio_mean", "mismatch/k3_kl",
             "mismatch/ratio_outside_0.5_2")
-    result = {"sampler": sampler, "seconds": time.perf_counter() - start, "peak_gib": memory(peak=True) / GIB,
+    result = {"sampler": sampler, "seconds": seconds, "peak_gib": memory(peak=True) / GIB,
               "steps": [{k: r[k] for k in keys if k in r} for r in rows],
               "finite": all(all(isinstance(v, (int, float)) and v == v for v in r.values()
                                 if isinstance(v, (int, float))) for r in rows)}
     print(f"gpu_check: {algo} end to end {json.dumps(result)}", flush=True)
+    if report is not None and sampler == "vllm":  # after the timing: the run's own engine and pushed policy
+        report["threads"] = {**threads, "after_run": torch.get_num_threads(),  # after_run: for information
+                             "ok": "before" in threads and threads["before"] == threads["after"],
+                             **({} if CUDA else {"mode": "cpu dry run"})}
+        print(f"gpu_check: threads {json.dumps(report['threads'])}", flush=True)
+        report["push_check"] = guarded("push check", push_check, state["llm"], state["policy"])
+    del state
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+    return result
+
+
+def counted_start(real_start, seen: dict, *args, **kwargs):
+    """engines.start with torch's CPU thread count read before and after it. OMP_NUM_THREADS is unset for the start:
+    vLLM leaves the count alone where it is set, and then the check would test nothing."""
+    omp = os.environ.pop("OMP_NUM_THREADS", None) if CUDA else os.environ.get("OMP_NUM_THREADS")
+    seen["before"] = torch.get_num_threads()
+    try:
+        llm = real_start(*args, **kwargs)
+    finally:
+        if CUDA and omp is not None:
+            os.environ["OMP_NUM_THREADS"] = omp
+    seen.update(after=torch.get_num_threads(), omp_num_threads=omp)
+    return llm
+
+
+def push_check(llm, policy) -> dict:
+    """A push that leaves one layer's weight out must be heard as vLLM's "not loaded" warning (what
+    engines.push_weights stops on); a full push must hear none. The engine ends with the policy's full weights."""
+    engines.wake(llm, "weights")  # awake after the run's last push; a sleeping engine's weights wake first
+    dtype = llm.llm_engine.model_config.dtype
+    weights = [(name, tensor.to(dtype)) for name, tensor in dist.full_tensors(policy)]
+    names = [name for name, _ in weights]
+    left_out = next((n for n in names if ".layers.0." in n and n.endswith("down_proj.weight")),
+                    next(n for n in names if ".layers." in n))
+    heard = {}
+    for label, push in (("partial", [(n, t) for n, t in weights if n != left_out]), ("full", weights)):
+        with engines.warnings_from(engines.RELOAD_LOG) as messages:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(push)})
+        heard[label] = [m[:300] for m in messages if "not loaded" in m]
+    llm.reset_prefix_cache()
+    result = {"left_out": left_out, "partial_push_heard": bool(heard["partial"]),
+              "full_push_heard": bool(heard["full"]), "ok": bool(heard["partial"]) and not heard["full"],
+              "messages": heard["partial"][:1] + heard["full"][:1], **({} if CUDA else {"mode": "cpu dry run"})}
+    print(f"gpu_check: push check {json.dumps(result)}", flush=True)
     return result
 
 
@@ -111,31 +206,38 @@ def resident_after_update(policy, critic, optimizers) -> float:
                         "prox_logp": zeros - 5, "ref_logp": zeros - 5, "advantages": zeros + 1, "values": zeros,
                         "value_targets": zeros + 1, "sampler_logp": None})
     args = remix.Args(algo="ppo", mini_batch_prompts=2, group_size=1)
-    remix.update(samples, policy, critic, optimizers, 1.0, 1, 1, args, DEVICE, {"bad_updates": 0},
-                 __import__("collections").Counter())
+    remix.update(samples, policy, critic, optimizers, 1.0, 1, 1, args)
     held = memory() / GIB
     print(f"gpu_check: resident between updates {held:.2f} GiB (gradients: "
           f"{sum(p.grad is not None for m in (policy, critic) for p in m.parameters())} tensors)", flush=True)
     return held
 
 
-def micro_batch(model_path: Path, lengths: list[int], checkpointing: bool) -> tuple[float, list[dict]]:
-    """Peak memory and time of one update micro-batch for the policy (Mix-PPG + KL + entropy) and the critic."""
+def load_models(model_path: Path, checkpointing: bool):
     # the models exactly as training builds them: fp32 masters, bf16 reference, no dropout, the chunked
     # log-prob head, FSDP2 (a group of one in one process)
-    args = remix.Args(model=str(model_path), algo="ppo", gradient_checkpointing=checkpointing, precision="bf16")
-    _, policy, reference, critic = remix.load_models(args, DEVICE)
-    models = (policy, critic)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-6, weight_decay=0.01) for m in models]
+    args = remix.finalize_args(remix.Args(model=str(model_path), algo="ppo", gradient_checkpointing=checkpointing,
+                                          precision="bf16"))
+    return (*models.load(args), args)
+
+
+def micro_batch(model_path: Path, lengths: list[int], checkpointing: bool, report: dict | None = None):
+    """Peak memory and time of one update micro-batch for the policy (Mix-PPG + KL + entropy) and the critic.
+    With report, the reference_reshard check first, on the freshly loaded reference."""
+    policy, reference, critic, args = load_models(model_path, checkpointing)
+    if report is not None:
+        report["reference_reshard"] = guarded("reference reshard", reference_reshard, reference, args)
+    nets = (policy, critic)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-6, weight_decay=0.01) for m in nets]
     held = resident_after_update(policy, critic, optimizers)
     results = []
-    for m in models:
+    for m in nets:
         m.train()
     for length in lengths:
         prompt = 1024 if CUDA else 32
         ids = torch.randint(300, policy.config.vocab_size, (1, prompt + length))
         sample = {"prompt_ids": ids[0, :prompt].tolist(), "response_ids": ids[0, prompt:].tolist()}
-        batch = remix.collate([sample], DEVICE)
+        batch = models.collate([sample], DEVICE)
         mask = batch["response_mask"]
         for name, model, optim in (("policy", policy, optimizers[0]), ("critic", critic, optimizers[1])):
             seconds = []
@@ -164,20 +266,136 @@ def micro_batch(model_path: Path, lengths: list[int], checkpointing: bool) -> tu
             print(f"gpu_check: micro-batch {json.dumps(row)}", flush=True)
             results.append(row)
         del batch
-    del policy, critic, reference, optimizers
+    del policy, critic, reference, optimizers, nets
+    gc.collect()
     if CUDA:
         torch.cuda.empty_cache()
     return held, results
 
 
+def reference_reshard(reference, args) -> dict:
+    """A no-grad reference pass (models.per_token) must leave the root's weights sharded again and the memory where
+    it was: FSDP2 keeps the root's embeddings and output layer whole after a forward, for a backward that never
+    comes, unless the pass reshards (about 0.9 GB per GPU at 1.5B)."""
+    from torch.distributed.tensor import DTensor
+
+    vocab, length = reference.config.vocab_size, (512 if CUDA else 32)
+    g = torch.Generator().manual_seed(1)
+    samples = [{"prompt_ids": torch.randint(300, vocab, (length,), generator=g).tolist(),
+                "response_ids": torch.randint(300, vocab, (length - 8 * i,), generator=g).tolist()} for i in range(2)]
+    sharded_before = isinstance(reference.get_input_embeddings().weight, DTensor)
+    before = memory()
+    reset_peak()
+    logp = models.per_token(remix.logp_of(args), reference, samples, args.max_tokens_per_micro_batch)
+    after, peak = memory(), memory(peak=True)
+    sharded_after = isinstance(reference.get_input_embeddings().weight, DTensor)
+    result = {"sharded_before": sharded_before, "sharded_after": sharded_after, "before_gib": before / GIB,
+              "after_gib": after / GIB, "peak_gib": peak / GIB, "finite": all(bool(x.isfinite().all()) for x in logp),
+              "ok": sharded_after and (after - before) / GIB < 0.1}
+    print(f"gpu_check: reference reshard {json.dumps(result)}", flush=True)
+    return result
+
+
+def attention_model():
+    """A 2-layer Qwen2 in bf16: the 1.5B's width and heads (head size 128) on CUDA, the dry run's tiny shape else."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2) if CUDA \
+        else dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    config = Qwen2Config(vocab_size=2048, num_hidden_layers=2, max_position_embeddings=4096, rope_theta=10000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa", **shape)
+    torch.manual_seed(0)
+    with DEVICE:
+        return Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def padded_pass(model, samples: list[dict]) -> tuple[torch.Tensor, dict]:
+    """Log-probs [n, l] of the samples in one collated (left-padded) batch through remix.policy_forward, and the
+    parameters' gradients of the sum of their response log-probs."""
+    model.zero_grad(set_to_none=True)
+    batch = models.collate(samples, DEVICE)
+    logp, _ = remix.policy_forward(model, batch, 1.0)
+    torch.where(batch["response_mask"], logp, 0.0).sum().backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logp.detach().float(), grads
+
+
+def cudnn_attention() -> dict:
+    """With use_safe_attention(), a left-padded pair in one batch against each sample alone, at key lengths of 64
+    modulo 128: equal log-probs, finite and equal gradients. Then, for information only, the padded pair with
+    cuDNN's SDPA enabled and preferred (the kernel the trainer turns off): are its gradients NaN?"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    models.use_safe_attention()
+    model = attention_model()
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for width in (64, 192, 320):
+        half = width // 2
+        pair = [{"prompt_ids": torch.randint(0, 2048, (p,), generator=g).tolist(),
+                 "response_ids": torch.randint(0, 2048, (r,), generator=g).tolist()}
+                for p, r in ((half, half), (half - 16, half - 16))]  # one batch of width P + L = width
+        logp, grads = padded_pass(model, pair)
+        alone = [padded_pass(model, [s]) for s in pair]
+        logp_gap = max(float((logp[i, : len(s["response_ids"])] - alone[i][0][0]).abs().max())
+                       for i, s in enumerate(pair))
+        summed = {n: alone[0][1][n] + alone[1][1][n] for n in grads}
+        finite = all(bool(t.isfinite().all()) for t in grads.values())
+        num = sum(float((grads[n] - summed[n]).pow(2).sum()) for n in grads) ** 0.5
+        den = sum(float(summed[n].pow(2).sum()) for n in grads) ** 0.5
+        row = {"width": width, "logp_max_abs_diff": logp_gap, "grad_rel_diff": num / max(den, 1e-30),
+               "grads_finite": finite}
+        row["ok"] = finite and logp_gap < 0.05 and row["grad_rel_diff"] < 0.05
+        if CUDA:  # for information: the kernel the trainer keeps off, on the same padded batch
+            torch.backends.cuda.enable_cudnn_sdp(True)
+            try:
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                  SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True):
+                    cudnn_logp, cudnn_grads = padded_pass(model, pair)
+                row["cudnn_enabled_grads_nan"] = any(bool(t.isnan().any()) for t in cudnn_grads.values())
+                row["cudnn_enabled_logp_finite"] = bool(cudnn_logp.isfinite().all())
+            except RuntimeError as error:
+                row["cudnn_enabled_error"] = str(error).splitlines()[0][:200]
+            finally:
+                models.use_safe_attention()
+        rows.append(row)
+    result = {"mode": "cuda" if CUDA else "cpu dry run", "widths": rows, "ok": all(r["ok"] for r in rows),
+              "cudnn_sdp_enabled_after": torch.backends.cuda.cudnn_sdp_enabled()}
+    if not CUDA:
+        result["cudnn_enabled"] = NEEDS_CUDA
+    print(f"gpu_check: cudnn attention {json.dumps(result)}", flush=True)
+    del model
+    return result
+
+
+def fp32_head_grad() -> dict:
+    """models._matmul_fp32 of bf16 inputs (the output layer's gradient in chunked_logprobs' backward): an fp32 result
+    within fp32 rounding of the exact product (float64), far closer than a bf16 product's."""
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    a = torch.randn(4096, 1024, generator=g, device=DEVICE).to(torch.bfloat16)
+    b = torch.randn(1024, 1536, generator=g, device=DEVICE).to(torch.bfloat16)
+    exact = a.double() @ b.double()
+    scale = float(exact.pow(2).mean().sqrt())
+    error = lambda out: float((out.double() - exact).abs().max()) / scale  # noqa: E731
+    out = models._matmul_fp32(a, b)
+    transposed = models._matmul_fp32(a.T.contiguous().T, b)  # a transposed view, as grad_logits.T is there
+    result = {"path": "torch.mm out_dtype=float32" if a.is_cuda else "fp32 fallback (cpu)", "dtype": str(out.dtype),
+              "max_abs_error_over_rms": error(out), "transposed_view_error_over_rms": error(transposed),
+              "bf16_product_error_over_rms": error(a @ b)}
+    result["ok"] = out.dtype == transposed.dtype == torch.float32 and tuple(out.shape) == (4096, 1536) and \
+        max(result["max_abs_error_over_rms"], result["transposed_view_error_over_rms"]) < 1e-5
+    print(f"gpu_check: fp32 head grad {json.dumps(result)}", flush=True)
+    return result
+
+
 def tensor_parallel(model: Path, data: Path, out: Path) -> dict:
-    """Two ranks of one vLLM engine (--vllm-tp 2): identical token ids on both (test_runs.py's own driver)."""
-    root = Path(__file__).resolve().parent.parent
+    """Two ranks of one vLLM engine (--vllm-tp 2): identical token ids on both (tests/test_runs.py's own driver)."""
     flags = ["--model", str(model), "--dataset", str(data), "--out", str(out / "tp"), "--algo", "grpo", "--steps", "2",
              "--prompts-per-step", "10", "--group-size", "2", "--max-response-tokens", "128", "--sampler", "vllm",
-             "--vllm-tp", "2", "--save-every", "0", "--vllm-gpu-memory-utilization", "0.3"]
+             "--vllm-tp", "2", "--save-every", "0", "--eval-every", "0", "--vllm-gpu-memory-utilization", "0.3"]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(root / "test_runs.py"), "engine-tokens", str(out / "tp"), *flags],
+                           str(ROOT / "tests" / "test_runs.py"), "engine-tokens", str(out / "tp"), *flags],
                           capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     if done.returncode != 0:
         return {"ok": False, "error": done.stderr[-2000:]}
@@ -188,28 +406,44 @@ def tensor_parallel(model: Path, data: Path, out: Path) -> dict:
 def main():
     out = Path(sys.argv[1])
     quick = "--quick" in sys.argv
-    parts = sys.argv[sys.argv.index("--parts") + 1].split(",") if "--parts" in sys.argv else ["micro", "ppo", "grpo", "tp"]
+    parts = sys.argv[sys.argv.index("--parts") + 1].split(",") if "--parts" in sys.argv else PARTS
     out.mkdir(parents=True, exist_ok=True)
     model, data = out / "r1-distill-1.5b-shaped", out / "problems.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
                             for a in range(10) for b in range(10)))
-    remix_utils.init_distributed()  # a group of one, or torchrun's: the models are FSDP2-sharded either way
+    dist.init()  # a group of one, or torchrun's: the models are FSDP2-sharded either way
     report = {"device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)", "torch": torch.__version__,
-              "world_size": remix_utils.world(), "vllm": VLLM, "gpus": torch.cuda.device_count()}
+              "world_size": dist.world(), "vllm": VLLM, "gpus": torch.cuda.device_count()}
     save = lambda: (out / "gpu_check.json").write_text(json.dumps(report, indent=1))  # noqa: E731
+    if "attention" in parts:
+        report["cudnn_attention"] = guarded("cudnn attention", cudnn_attention)
+        save()
+    if "fp32" in parts:
+        report["fp32_head_grad"] = guarded("fp32 head grad", fp32_head_grad)
+        save()
     build_model(model)
     if "micro" in parts:
         report["resident_between_updates_gib"], report["micro_batch"] = micro_batch(
-            model, [64] if not CUDA else [2048, 4096, 8192], True)
+            model, [64] if not CUDA else [2048, 4096, 8192], True, report if "reshard" in parts else None)
         save()
         report["micro_batch"] += micro_batch(model, [64] if not CUDA else [2048], False)[1]
         save()
-    for algo in [a for a in ("ppo", "grpo") if a in parts]:
-        report[f"end_to_end_{algo}"] = end_to_end(model, data, out, algo, (128 if quick else 256) if CUDA else 32)
+    elif "reshard" in parts:
+        policy, reference, critic, args = load_models(model, True)
+        report["reference_reshard"] = guarded("reference reshard", reference_reshard, reference, args)
+        del policy, reference, critic
         save()
+    checks = [a for a in ("ppo", "grpo") if a in parts][:1]  # threads and push_check ride on the first run
+    for algo in [a for a in ("ppo", "grpo") if a in parts]:
+        report[f"end_to_end_{algo}"] = end_to_end(model, data, out, algo, (128 if quick else 256) if CUDA else 32,
+                                                  report if algo in checks else None)
+        save()
+    for key in ("threads", "push_check"):
+        if key not in report and checks:
+            report[key] = "skipped: needs vLLM"
     if "tp" in parts:
         report["tensor_parallel"] = tensor_parallel(model, data, out) if VLLM and torch.cuda.device_count() >= 2 \
-            and remix_utils.world() == 1 else "skipped: needs vLLM and two GPUs"
+            and dist.world() == 1 else "skipped: needs vLLM and two GPUs"
         print(f"gpu_check: tensor parallel {report['tensor_parallel']}", flush=True)
         save()
     print("gpu_check: done", flush=True)

@@ -1,6 +1,6 @@
-"""Grading throughput of remix.grade_many on the 1,600 gold answers of the six benchmark files.
+"""Grading throughput of machinery.evaluation.grade_many on the 1,600 gold answers of the six benchmark files.
 
-    python benchmarks/grading.py --data-dir ../shared/data/benchmarks
+    python benchmarks/grading.py [--data-dir DIR: default the repository's data/benchmarks, or REMIX_DATA's]
 
 One response per problem that reasons a little and ends in \\boxed{GOLD}, graded with 1 and with 2
 worker processes, alternating over rounds in one run so that machine noise hits both alike. The pool is
@@ -14,27 +14,27 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import eval as evaluation  # noqa: E402
-import remix  # noqa: E402
-import remix_utils  # noqa: E402
+from machinery import evaluation, grader  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--data-dir", default=None,
+                        help="folder of the benchmark files (default: the repository's data/benchmarks; REMIX_DATA "
+                             "overrides)")
     parser.add_argument("--rounds", type=int, default=3)
     cli = parser.parse_args()
     problems = [p for name in evaluation.BENCHMARKS
-                for p in evaluation.load_benchmark(name, evaluation.EvalArgs(data_dir=cli.data_dir))]
+                for p in evaluation.load_benchmark(name, cli.data_dir, None)]
     items = [(f"Let me check. The answer is \\boxed{{{p['answers'][0]}}}.", p["answers"]) for p in problems]
     rates = {1: [], 2: []}
     for _ in range(cli.rounds):
         for workers in (1, 2):
-            remix.grade_many(items[:4], workers=workers)  # start the pool outside the timing
+            evaluation.grade_many(items[:4], workers=workers)  # start the pool outside the timing
             start = time.perf_counter()
-            grades = remix.grade_many(items, workers=workers)
+            grades = evaluation.grade_many(items, workers=workers)
             rates[workers].append(len(items) / (time.perf_counter() - start))
-            remix_utils.close_pool()  # the next round starts its own pool
+            grader.close_pool()  # the next round starts its own pool
     right = sum(g[0] == 1.0 for g in grades)
     print(f"{len(items)} gold-answer responses, {right} graded right, {cli.rounds} rounds\n")
     print("| workers | median answers/s |\n|---|---|")

@@ -147,8 +147,8 @@ def main():
         path, old, new = MUTANTS[name]
         with tempfile.TemporaryDirectory(prefix="remix-mutant-") as tmp:
             work = Path(tmp)
-            for name in COPY:
-                (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, work / name)
+            for item in COPY:
+                (shutil.copytree if (ROOT / item).is_dir() else shutil.copy)(ROOT / item, work / item)
             text = (work / path).read_text()
             if text.count(old) != 1:
                 sys.exit(f"mutation_check: the text of mutant {name!r} occurs {text.count(old)} times in {path}; update it")

@@ -1,6 +1,6 @@
 """Two processes (torchrun, FSDP2 over gloo) against one on this CPU, on the tiny model (README: Several GPUs).
 
-    python benchmarks/scale_out.py --data ../shared/data/train/deepscaler_partial.jsonl
+    python benchmarks/scale_out.py [--data FILE: default the repository's data/train/deepscaler_partial.jsonl]
     python benchmarks/scale_out.py --part host-memory [--before GIT_REVISION]
 
 1. End to end: GRPO, 16 prompts x 4 responses of up to 64 tokens per step, 6 steps (p = 0.4 during the mix
@@ -10,11 +10,11 @@
 2. One update: the batch update() received at step 2 of a real run, updated once in one process and once
    split over two (test_remix.run_update, the same code the equivalence test checks).
 Each measurement runs in its own process, alternating over rounds; medians and ratios.
-3. Host memory at start (--part host-memory): each rank's peak resident memory while `remix.load_models` loads
-   and shards the policy, reference and critic of a PPO run under `torchrun --nproc-per-node 2`, on a random
-   Qwen2 of 109 M parameters (hidden 1024, 12 layers: 0.44 GB in fp32), stored in bf16 as hub checkpoints
-   are, so the weights dominate. With
-   --before REV the same measurement also runs on that git revision's remix.py and remix_utils.py.
+3. Host memory at start (--part host-memory): each rank's peak resident memory while `machinery.models.load`
+   loads and shards the policy, reference and critic of a PPO run under `torchrun --nproc-per-node 2`, on a
+   random Qwen2 of 109 M parameters (hidden 1024, 12 layers: 0.44 GB in fp32), stored in bf16 as hub checkpoints
+   are, so the weights dominate. With --before REV the same measurement also runs on that git revision's code:
+   its remix.py with remix_utils.py (before the restructuring) or machinery/ (after), whichever it has.
 """
 
 import argparse
@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 def end_to_end(model: str, data: str, out: Path, sampler: str, ranks: int) -> float:
     argv = [str(ROOT / "remix.py"), "--model", model, "--dataset", data, "--out", str(out), "--algo", "grpo",
             "--sampler", sampler, "--steps", "6", "--reincarnate-step", "3", "--prompts-per-step", "16",
-            "--group-size", "4", "--max-response-tokens", "64", "--mini-batch-prompts", "8", "--save-every", "0"]
+            "--group-size", "4", "--max-response-tokens", "64", "--mini-batch-prompts", "8", "--save-every", "0",
+            "--eval-every", "0"]
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                                                     str(ranks)]
     subprocess.run(launcher + argv, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -45,12 +46,13 @@ def update_seconds(case: Path, ranks: int) -> float:
     """Seconds of update() alone (after a first, warm-up run), on the same batch split over the ranks."""
     code = f"""import os, sys, time, torch
 sys.path.insert(0, {str(ROOT)!r})
-import remix, remix_utils, test_remix
+import remix, test_remix
+from machinery import dist
 seconds, real = [], remix.update
 def timed(*a, **k):
     start = time.perf_counter()
     out = real(*a, **k)
-    remix_utils.barrier()
+    dist.barrier()
     seconds.append(time.perf_counter() - start)
     return out
 remix.update = timed
@@ -71,14 +73,22 @@ os._exit(0)
 
 HOST_MEMORY = """import json, os, resource, sys
 sys.path.insert(0, sys.argv[1])
-import torch, remix, remix_utils
-device = remix_utils.init_distributed()
+import torch, remix
+if os.path.isdir(os.path.join(sys.argv[1], "machinery")):  # the package (after the restructuring)
+    from machinery import dist, models
+    dist.init()
+    rank, barrier = dist.rank, dist.barrier
+    load = lambda: models.load(remix.finalize_args(remix.Args(model=sys.argv[2], algo="ppo")))
+else:  # remix_utils.py beside remix.py (before it)
+    import remix_utils
+    device = remix_utils.init_distributed()
+    rank, barrier = remix_utils.rank, remix_utils.barrier
+    load = lambda: remix.load_models(remix.Args(model=sys.argv[2], algo="ppo"), device)
 imported = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-remix.load_models(remix.Args(model=sys.argv[2], algo="ppo"), device)
+load()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print("RSS", json.dumps({"rank": remix_utils.rank(), "imports_gib": imported / 2**20, "peak_gib": peak / 2**20}),
-      flush=True)
-remix_utils.barrier()
+print("RSS", json.dumps({"rank": rank(), "imports_gib": imported / 2**20, "peak_gib": peak / 2**20}), flush=True)
+barrier()
 os._exit(0)
 """
 
@@ -94,10 +104,24 @@ def host_memory(source: Path, model: str, work: Path) -> list[dict]:
                   key=lambda r: r["rank"])
 
 
+def revision_files(revision: str, dest: Path) -> Path:
+    """The method's files as they were at a git revision, written under dest: remix.py, and remix_utils.py (before
+    the restructuring) or every file of machinery/ (after), whichever the revision has."""
+    listed = subprocess.run(["git", "ls-tree", "-r", "--name-only", revision, "--", "remix.py", "remix_utils.py",
+                             "machinery"], cwd=ROOT, check=True, capture_output=True, text=True).stdout.split()
+    if "remix.py" not in listed:
+        sys.exit(f"scale_out: revision {revision} has no remix.py")
+    for name in listed:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes(subprocess.run(["git", "show", f"{revision}:{name}"], cwd=ROOT, check=True,
+                                                 capture_output=True).stdout)
+    return dest
+
+
 def host_memory_part(before: str | None, rounds: int):
     import torch
 
-    from tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="remix-host-"))
     model = build_tiny_model(str(work / "model"), hidden_size=1024, layers=12)
@@ -108,12 +132,7 @@ def host_memory_part(before: str | None, rounds: int):
     AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).save_pretrained(model)
     sources = {"this checkout": ROOT}
     if before:
-        old = work / "before"
-        old.mkdir()
-        for name in ("remix.py", "remix_utils.py"):
-            (old / name).write_text(subprocess.run(["git", "show", f"{before}:{name}"], cwd=ROOT, check=True,
-                                                   capture_output=True, text=True).stdout)
-        sources = {f"before ({before})": old, **sources}
+        sources = {f"before ({before})": revision_files(before, work / "before"), **sources}
     peaks = {}
     for round_ in range(rounds):
         for label, source in sources.items():
@@ -131,18 +150,20 @@ def host_memory_part(before: str | None, rounds: int):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("speed", "host-memory"), default="speed")
-    parser.add_argument("--data", help="a .jsonl with problem/answer (the speed part)")
+    parser.add_argument("--data", help="a .jsonl with problem/answer (the speed part; default: the repository's "
+                                       "data/train/deepscaler_partial.jsonl, REMIX_DATA overrides)")
     parser.add_argument("--before", help="host-memory: also measure this git revision's remix.py")
     parser.add_argument("--rounds", type=int, default=3)
     cli = parser.parse_args()
     if cli.part == "host-memory":
         return host_memory_part(cli.before, cli.rounds)
-    if not cli.data:
-        parser.error("--data is needed for the speed part")
     import torch
 
     import test_remix
-    from tiny_model import build_tiny_model, write_short_problems
+    from machinery import evaluation
+    from tests.tiny_model import build_tiny_model, write_short_problems
+
+    cli.data = cli.data or str(evaluation.data_root() / "train" / "deepscaler_partial.jsonl")
 
     work = Path(tempfile.mkdtemp(prefix="remix-scale-"))
     model = build_tiny_model(str(work / "tiny"))

@@ -2,6 +2,7 @@
 (share graded right), and against another problem's gold answer (false passes).
 
     python benchmarks/solution_grading.py [--out FILE] [--failures] [--near-misses] [--workers 2]
+    python benchmarks/solution_grading.py --samples runs/solutions.jsonl && python eval.py --regrade runs/solutions.jsonl
 
 MATH500, Minerva and AIME 2024 rows carry a `solution` whose last \\boxed{} is the answer; the grader (grade_many)
 grades it as a model's response (Minerva: against every form in `answers`). For the wrong pairs, each solution
@@ -203,7 +204,16 @@ def main():
     parser.add_argument("--near-misses", action="store_true",
                         help="also grade each gold answer of all six benchmarks against the most alike others")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--samples", help="only write the solutions as eval.py sample records here, for "
+                                          "eval.py --regrade (both graders, and where they disagree)")
     cli = parser.parse_args()
+    if cli.samples:
+        records = [{"benchmark": name, "id": row["id"], "answers": row["answers"], "response": row["solution"],
+                    "response_tokens": 0} for name in BENCHMARKS for row in load(name)]
+        Path(cli.samples).parent.mkdir(parents=True, exist_ok=True)
+        Path(cli.samples).write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        print(f"{len(records)} solutions written to {cli.samples}")
+        return
     results = measure(cli.workers)
     text = table(results) + ("\n" + failure_list(results) if cli.failures else "")
     if cli.near_misses:

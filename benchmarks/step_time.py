@@ -1,6 +1,6 @@
 """Seconds per training step of remix.py on the tiny offline model, vLLM sampler vs transformers sampler.
 
-    python benchmarks/step_time.py --data ../shared/data/train/deepscaler_partial.jsonl
+    python benchmarks/step_time.py [--data FILE: default the repository's data/train/deepscaler_partial.jsonl]
 
 Each configuration runs in its own process (vLLM pins the process to one torch thread on CPU), and the
 two samplers alternate over several rounds so that machine noise hits both alike. Reported: the median
@@ -18,12 +18,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-from tiny_model import build_tiny_model, write_short_problems  # noqa: E402
+from machinery import evaluation  # noqa: E402
+from tests.tiny_model import build_tiny_model, write_short_problems  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="a .jsonl with problem/answer")
+    parser.add_argument("--data", default=str(evaluation.data_root() / "train" / "deepscaler_partial.jsonl"),
+                        help="a .jsonl with problem/answer (default: the repository's data/train/deepscaler_partial"
+                             ".jsonl; REMIX_DATA overrides)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--algo", default="grpo")
@@ -43,7 +46,7 @@ def main():
             cmd = [sys.executable, str(HERE / "remix.py"), "--model", model, "--dataset", data, "--out", str(out),
                    "--algo", cli.algo, "--steps", str(cli.steps), "--prompts-per-step", str(cli.prompts),
                    "--group-size", str(cli.group_size), "--max-response-tokens", str(cli.max_response_tokens),
-                   "--sampler", sampler, "--save-every", "0", "--seed", str(round_)]
+                   "--sampler", sampler, "--save-every", "0", "--eval-every", "0", "--seed", str(round_)]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             metrics = [json.loads(line) for line in open(out / "metrics.jsonl")][1:]
             times[sampler] += [m["perf/step_s"] for m in metrics]

@@ -7,7 +7,7 @@ For x_i independent N(m, s^2), a response of L tokens keeps at its first token
     typically   exp((L - 1) * E[min(0, x)]),   E[min(0, x)] = m Phi(-m/s) - s phi(m/s)
     on average  (E[min(1, e^x)])^(L - 1),      E[min(1, e^x)] = e^(m + s^2/2) Phi(-(m + s^2)/s) + Phi(m/s)
 (the mean is carried by rare lucky draws; the typical value is what a response sees). A Monte Carlo run checks
-the typical value. The metrics files (from remix.py or toy.py runs) give the log-ratio moments that training
+the typical value. The metrics files (from remix.py or toy/toy.py runs) give the log-ratio moments that training
 produced on historical samples (offpolicy/log_ratio_mean and _std) and the products measured at their lengths.
 """
 

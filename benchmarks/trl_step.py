@@ -1,4 +1,4 @@
-"""One side of toy.py's step-time comparison: a few GRPO steps of remix.py or of TRL's GRPOTrainer on the
+"""One side of toy/toy.py's step-time comparison: a few GRPO steps of remix.py or of TRL's GRPOTrainer on the
 toy base model, same batch (16 prompts x 8 completions, 2 optimizer steps of 64) and lengths, both with the
 transformers sampler and math-verify grading in a worker process. Prints a JSON list of seconds per
 rollout batch (the first, warm-up batch left out).
@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
+from machinery import evaluation  # noqa: E402
 
 PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 48, 1e-4  # the toy's batch shape and response limit
 
@@ -29,7 +30,7 @@ def main():
                           steps=steps, prompts_per_step=PROMPTS, group_size=GROUP, mini_batch_prompts=PROMPTS // 2,
                           on_policy=True, max_response_tokens=MAX_TOKENS,
                           actor_lr=LR, sampler="hf", save_every=0, grader_workers=1,
-                          max_prompt_tokens=256)
+                          max_prompt_tokens=256, eval_every=0)
         remix.train(args)
         seconds = [json.loads(line)["perf/step_s"] for line in open(out / "metrics.jsonl")][1:]
     else:
@@ -38,12 +39,12 @@ def main():
         from trl import GRPOConfig, GRPOTrainer
 
         rows = [json.loads(line) for line in open(toy / "train.jsonl")]
-        data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["problem"] + remix.PROMPT_SUFFIX}],
+        data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["problem"] + remix.Args.prompt_suffix}],
                                    "answer": r["answer"]} for r in rows])
 
         def reward(completions, answer, **kwargs):
             texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-            return [g[0] for g in remix.grade_many(list(zip(texts, [[a] for a in answer])), workers=1)]
+            return [g[0] for g in evaluation.grade_many(list(zip(texts, [[a] for a in answer])), workers=1)]
 
         marks = []
 

@@ -3,12 +3,13 @@ micro-batches (README: Trainer passes).
 
     python benchmarks/update_throughput.py                 # both parts, about 20 minutes on 2 cores
     python benchmarks/update_throughput.py --part memory   # or speed
+    python benchmarks/update_throughput.py --part memory --lengths 1024   # one length: a smoke run
 
 Memory: the peak resident memory added by one update micro-batch (forward, Mix-PPG + KL-Convex + entropy,
 backward) of a 1,024-token prompt and a 1k / 4k / 8k-token response, on a Qwen2 trunk (hidden 128, 2 layers,
 activation checkpointing) with the real 151,936-token vocabulary. "full logits" is the computation remix.py
 used before: the [tokens, vocab] logits, their log-softmax and the entropy terms in one piece (kept for the
-backward pass); "chunked" is remix_utils.chunked_logprobs. Each measurement runs in its own process, with its
+backward pass); "chunked" is machinery.models.chunked_logprobs. Each measurement runs in its own process, with its
 address space capped at 20 GiB so that a run that does not fit fails cleanly on this 24 GiB machine.
 
 Speed: the whole trainer side of one step (behaviour and reference log-probs of 20 fresh responses, pi_k of 12
@@ -37,9 +38,9 @@ GIB = 2**30
 CONFIGS = {"before": (1, False), "budget only": (16384, False), "after": (16384, True)}  # (token budget, chunked)
 
 
-def full_logits(hidden, weight, targets, per_token, chunk=None):
-    """The computation remix.py used before: the whole [N, V] logits in one piece."""
-    return per_token(hidden @ weight.T, targets)
+def full_logits(per_token_fn, hidden, weight, tokens, temperature, chunk=None):
+    """The computation remix.py used before: the whole [N, V] logits in one piece (models.chunked_logprobs' call)."""
+    return per_token_fn(hidden @ weight.T, tokens, temperature)
 
 
 def qwen(vocab: int, hidden: int, layers: int, seed: int = 0):
@@ -64,18 +65,18 @@ def memory_child(length: int, chunked: bool) -> dict:
     import torch
 
     import remix
-    import remix_utils
+    from machinery import models
 
     resource.setrlimit(resource.RLIMIT_AS, (20 * GIB, 20 * GIB))
     if not chunked:
-        remix_utils.chunked_logprobs = full_logits
+        models.chunked_logprobs = full_logits
     model = qwen(151936, 128, 2)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     g = torch.Generator().manual_seed(0)
     sample = {"prompt_ids": torch.randint(0, 151936, (1024,), generator=g).tolist(),
               "response_ids": torch.randint(0, 151936, (length,), generator=g).tolist()}
-    batch = remix.collate([sample], "cpu")
+    batch = models.collate([sample], "cpu")
     mask = batch["response_mask"]
     behaviour = -10 - torch.rand(1, length, generator=g)
     advantages = torch.randn(1, length, generator=g)
@@ -110,35 +111,35 @@ def speed_child(algo: str, config: str, reps: int) -> dict:
     import torch
 
     import remix
-    import remix_utils
+    from machinery import dist, models
     from transformers import AutoModelForTokenClassification
 
     torch.set_num_threads(2)
     budget, chunked = CONFIGS[config]
     if not chunked:
-        remix_utils.chunked_logprobs = full_logits
+        models.chunked_logprobs = full_logits
     policy, reference = qwen(259, 384, 6), qwen(259, 384, 6)
     critic = None
     if algo == "ppo":
         critic = AutoModelForTokenClassification.from_config(policy.config.__class__(**{**policy.config.to_dict(),
                                                                                        "num_labels": 1}))
-    args = remix.Args(algo=algo, max_tokens_per_micro_batch=budget, mini_batch_prompts=16 if algo == "ppo" else 2,
-                      group_size=8 if algo == "grpo" else 1, actor_lr=1e-6)
+    args = remix.finalize_args(remix.Args(algo=algo, max_tokens_per_micro_batch=budget,
+                                          mini_batch_prompts=16 if algo == "ppo" else 2,
+                                          group_size=8 if algo == "grpo" else 1, actor_lr=1e-6))
     fresh, history = long_tailed_batch(algo)
-    remix.behaviour_and_reference(history, policy, reference, args, "cpu", collections.Counter())  # stored earlier
-    optimizers = (torch.optim.AdamW(policy.parameters(), lr=1e-6),
-                  critic and torch.optim.AdamW(critic.parameters(), lr=1e-6))
+    remix.behaviour_and_reference(history, policy, reference, args)  # stored earlier
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-6) for m in (policy, critic) if m is not None]
     times, works = [], []
     for rep in range(reps + 1):  # the first repetition warms up
-        work = collections.Counter()
+        dist.padding.clear()  # token slots and real tokens of every micro-batch of this repetition
         start = time.perf_counter()
-        remix.behaviour_and_reference(fresh, policy, reference, args, "cpu", work)
-        remix.prox_and_values(fresh, history, policy, critic, args, "cpu", work)
+        remix.behaviour_and_reference(fresh, policy, reference, args)
+        remix.prox_and_values(fresh, history, policy, critic, args)
         remix.compute_advantages(fresh + history, args)
-        remix.update(fresh + history, policy, critic, optimizers, 0.9, 2, 5, args, "cpu", {"bad_updates": 0}, work)
+        remix.update(fresh + history, policy, critic, optimizers, 0.9, 2, 5, args)
         if rep:
             times.append(time.perf_counter() - start)
-            works.append(work)
+            works.append(collections.Counter(dist.padding))
     return {"algo": algo, "config": config, "seconds": times, "tokens": works[0]["tokens"],
             "padding": 1 - works[0]["tokens"] / works[0]["slots"],
             "parameters": sum(p.numel() for p in policy.parameters())}
@@ -157,6 +158,8 @@ def main():
     parser.add_argument("--part", choices=("memory", "speed", "both"), default="both")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192],
+                        help="response tokens of the memory part (default: 1024 4096 8192)")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     cli = parser.parse_args()
@@ -168,7 +171,7 @@ def main():
         return
     report = {}
     if cli.part in ("memory", "both"):
-        rows = [child("memory", str(n), mode) for n in (1024, 4096, 8192) for mode in ("full", "chunked")]
+        rows = [child("memory", str(n), mode) for n in cli.lengths for mode in ("full", "chunked")]
         report["memory"] = rows
         print("| response tokens | logits alone (GiB) | full logits: peak (GiB) | chunked: peak (GiB) | chunked / full |")
         print("|---|---|---|---|---|")
