@@ -872,18 +872,27 @@ sys.path[:0] = [{fork!r}, {here!r}]
 import remix, test_remix
 test_remix.scripted_right_answers(types.SimpleNamespace(setattr=setattr), {data!r})
 state = remix.train(remix.Args(**{args!r}))
-print("REFERENCE-LOADED", state["reference"] is not None, flush=True)
+{probe}
 """
 
-
-FORKS = {  # fork -> what it changes in the log
+# fork -> (the logged key it changes, or a probe run in the fork printing "PROBE <number>")
+FORKS = {
+    "recency_weighted_replay": "replay/probe",
+    "p_schedule": "batch/fresh",
+    "clip_centred_at_one": "losses/policy_loss",
+    "grpo_informative_groups": "batch/historical",
+    "kl_precedent_previous_policy": "losses/kl_convex",
     "dapo_clip_higher": "losses/clipfrac",
+    "gspo_sequence_ratio": "losses/clipfrac",
     "dr_grpo": "losses/policy_loss",
     "sequence_mean": "losses/policy_loss",
-    "gspo_sequence_ratio": "losses/clipfrac",
-    "no_kl": "kl/ref",
     "format_reward": "reward/mean",
 }
+# the share of 4,000 draws of one group that come from the newer of two stored batches (uniform: 0.5)
+RECENCY_PROBE = """import collections, random
+random.seed(0)
+replay = collections.deque([[[{"b": 0}] for _ in range(4)], [[{"b": 1}] for _ in range(4)]], maxlen=2)
+print("PROBE", sum(remix.draw_history(replay, 1)[0][0]["b"] for _ in range(4000)) / 4000)"""
 
 
 def copy_project(folder: Path):
@@ -895,9 +904,9 @@ def copy_project(folder: Path):
     shutil.copytree(HERE / "machinery", folder / "machinery", ignore=shutil.ignore_patterns("__pycache__"))
 
 
-def run_fork(name: str | None, model, data, tmp_path) -> tuple[list[dict], bool]:
-    """A copy of remix.py (with the fork's diff applied), a 2-step GRPO run on it with about half of the responses
-    right; returns the metrics and whether a reference model was loaded."""
+def run_fork(name: str | None, model, data, tmp_path) -> tuple[list[dict], float | None]:
+    """A copy of remix.py (with the fork's diff applied) and the machinery, a 2-step GRPO run on it with about half
+    of the responses right (T = 2, lambda(t) < 1 from step 1); returns the metrics and the fork's probe value."""
     fork = tmp_path / (name or "unforked")
     fork.mkdir()
     copy_project(fork)
@@ -907,28 +916,34 @@ def run_fork(name: str | None, model, data, tmp_path) -> tuple[list[dict], bool]
         assert applied.returncode == 0, f"docs/forks/{name}.diff no longer applies: {applied.stderr}"
     args = dict(model=model, dataset=data, out=str(fork / "run"), algo="grpo", group_size=2, steps=2,
                 prompts_per_step=5, mini_batch_prompts=2, max_response_tokens=24, sampler="hf", save_every=0, seed=3,
-                actor_lr=3e-2, kl_convex_start=0, kl_convex_every=1)
-    (fork / "run.py").write_text(FORK_RUN.format(fork=str(fork), here=str(HERE), data=data, args=args))
+                actor_lr=3e-2, kl_convex_start=0, kl_convex_every=1, reincarnate_step=2, eval_every=0)
+    (fork / "run.py").write_text(FORK_RUN.format(fork=str(fork), here=str(HERE), data=data, args=args,
+                                                 probe=RECENCY_PROBE))
     done = subprocess.run([sys.executable, str(fork / "run.py")], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", REMIX_DATA=str(DATA)))
     assert done.returncode == 0, done.stderr[-3000:]
-    return read_metrics(fork / "run"), "REFERENCE-LOADED True" in done.stdout
+    probe = [float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("PROBE")]
+    return read_metrics(fork / "run"), probe[0]
 
 
 @pytest.mark.slow
 def test_every_fork_applies_runs_and_changes_what_it_should(tiny_model, train_file, tmp_path):
-    base, base_reference = run_fork(None, tiny_model, train_file, tmp_path)
-    assert base_reference and all("kl/ref" in r and "reward/format" not in r for r in base)
+    base, base_probe = run_fork(None, tiny_model, train_file, tmp_path)
+    assert abs(base_probe - 0.5) < 0.05 and all("reward/format" not in r for r in base)
     for name, key in FORKS.items():
-        rows, reference = run_fork(name, tiny_model, train_file, tmp_path)
+        rows, probe = run_fork(name, tiny_model, train_file, tmp_path)
         assert [r["step"] for r in rows] == [1, 2], name
-        if name == "no_kl":
-            assert not reference and all(key not in r and "losses/kl_convex" not in r for r in rows)
+        if key == "replay/probe":
+            assert probe > 0.6, (name, probe)  # weights 1 and 2: two thirds from the newer batch
             continue
         assert [r[key] for r in rows] != pytest.approx([r[key] for r in base], rel=1e-6, abs=1e-9), name
         if name == "format_reward":
             assert all(r["reward/format"] > 0 for r in rows)
             assert [r["reward/correct"] for r in rows] == [r["reward/correct"] for r in base]
+        if name == "grpo_informative_groups":
+            assert rows[1]["batch/historical"] < base[1]["batch/historical"]
+        if name == "p_schedule":  # p(2) = 0.2: 4 fresh prompts of 5 at step 2, against 3
+            assert [r["batch/fresh"] for r in rows] == [6, 8] and [r["batch/fresh"] for r in base] == [6, 6]
 
 
 @pytest.mark.slow
@@ -950,7 +965,7 @@ def test_the_format_reward_fork_leaves_eval_pass_at_1_alone(tmp_path):
         subprocess.run([sys.executable, str(fork / "eval.py"), "--regrade", str(samples), "--out", str(fork / "eval")],
                        check=True, capture_output=True, timeout=300)
         summaries.append(json.loads((fork / "eval" / "summary.json").read_text()))
-    assert summaries[0]["aime24"]["pass@1"] == summaries[1]["aime24"]["pass@1"] == 50.0
+    assert summaries[0]["greedy"]["aime24"]["pass@1"] == summaries[1]["greedy"]["aime24"]["pass@1"] == 50.0
 
 
 if __name__ == "__main__" and len(sys.argv) > 1:
