@@ -1,6 +1,7 @@
 """Tests of toy.py's task and bookkeeping: hand-worked targets graded by the real grader, the token budget
 of the longest worked answer in the real toy tokenizer, and the rollouts-to-target arithmetic on
-hand-made curves. The toy runs themselves are an experiment (python toy.py), not a test.
+hand-made curves; and one short toy run against the curve committed for it, so that a change that moves the toy's
+numbers fails a test. The study itself is an experiment (python toy/toy.py --study), not a test.
 
     pytest -q tests/test_toy.py
 """
@@ -79,3 +80,23 @@ def test_compare_reads_targets_from_hand_made_curves():
     assert result["remix_rollouts_to_half"]["each"] == [100, 100, 200]
     assert result["remix_tokens_to_half"]["median"] == 1000
     assert toy.accuracy_at(curve([0.5, 0.6, 0.7]), 150) == 0.6
+
+
+@pytest.mark.slow
+def test_a_short_toy_run_gives_exactly_the_committed_curve(tmp_path):
+    """The toy study's results reproduce from the committed code: a short run (a base of 300 supervised steps, 4
+    steps of ReMix-GRPO, seed 1, one thread) gives exactly the curve committed in docs/toy/pinned_curve.json. A
+    change that moves the toy's numbers fails here; when that is meant, `python toy/toy.py --pin
+    docs/toy/pinned_curve.json` regenerates it in the same commit, and the study is rerun."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.common import ROOT
+
+    done = subprocess.run([sys.executable, str(ROOT / "toy" / "toy.py"), "--pin", str(tmp_path / "curve.json"),
+                           "--cache", str(tmp_path / "cache")], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "curve.json").read_text()) == json.loads((ROOT / "docs" / "toy" /
+                                                                             "pinned_curve.json").read_text())

@@ -49,9 +49,10 @@ import tyro
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent  # the repository: remix.py, machinery/, tests/
-sys.path.insert(0, str(ROOT))
+# a configuration with a fork runs on a copy of remix.py with that docs/forks diff applied (fork_project)
+sys.path[:0] = [os.environ.get("TOY_PROJECT", str(ROOT)), str(ROOT)]
 
-TOY_VERSION = 4  # a cache built by another version of the task is rebuilt
+TOY_VERSION = 5  # a cache built by another version of the task is rebuilt (5: built on one thread)
 SCRATCHPAD_SHARE = 0.25  # supervised targets with the worked running sums; the rest are the bare boxed answer
 SUPERVISED_STEPS, SUPERVISED_LR = 1500, 1e-3
 MAX_TOKENS = 48  # the longest worked answer (five 9s) is 42 tokens with EOS
@@ -71,7 +72,19 @@ CONFIGS = {  # name -> remix.Args overrides; ReMix is the paper's defaults p = 0
     "remix-grpo/p=0.2": {**GRPO, "off_policy_p": 0.2},
     "remix-grpo/p=0.6": {**GRPO, "off_policy_p": 0.6},
     "remix-ppo/p=0.0": {**PPO, "off_policy_p": 0.0},  # ReMix-PPO without replay: what the second pass alone gives
+    "remix-ppo/no-utd": {**PPO, "utd": 1},
+    "remix-ppo/no-kl-convex": {**PPO, "kl_convex": False},
+    "remix-ppo/no-reincarnation": {**PPO, "reincarnation": False},
+    # why ReMix-GRPO saves nothing: each candidate cause, one change each (a fork of docs/forks, or a flag)
+    "remix-grpo/informative-groups": {**GRPO, "fork": "grpo_informative_groups"},  # no zero-spread groups stored
+    "remix-grpo/recency": {**GRPO, "fork": "recency_weighted_replay"},  # staleness: newer batches drawn more
+    "remix-grpo/N=1": {**GRPO, "window": 1},  # staleness: only the last policy's batch
+    "remix-grpo/p-schedule": {**GRPO, "fork": "p_schedule"},  # p(t) falls to 0 over T instead of a hard switch
+    "remix-grpo/clip-at-1": {**GRPO, "fork": "clip_centred_at_one"},  # the clip centred at 1, not at pi_k/mu
 }
+TABLE3 = {"UTD": "no-utd", "KL-Convex": "no-kl-convex", "reincarnation": "no-reincarnation"}  # without ... -> suffix
+CAUSES = ("remix-grpo/informative-groups", "remix-grpo/recency", "remix-grpo/N=1", "remix-grpo/p-schedule",
+          "remix-grpo/clip-at-1")
 PAIRS = {"GRPO": ("remix-grpo", "grpo"), "PPO": ("remix-ppo", "ppo")}  # algorithm -> (ReMix, on-policy)
 SHORT = ("remix-grpo", "grpo", "remix-ppo", "ppo", "remix-grpo/no-utd", "remix-grpo/no-kl-convex",
          "remix-grpo/no-reincarnation")
@@ -106,6 +119,8 @@ class ToyArgs:
     """rebuild results.md and the plots from the results.json in --out, running nothing"""
     trl_rounds: int = 1
     """rounds of the TRL step-time comparison after the short run (0 skips it)"""
+    pin: str | None = None
+    """run only the short pinned run (a small base, 4 steps of ReMix-GRPO, seed 1) and write its curve here"""
     jobs: tuple[str, ...] = ()
     """(internal: how the workers are started) runs for one worker process, as config@seed@lr@steps@T"""
 
@@ -147,11 +162,15 @@ def pass_at_1(model, tokenizer, problems: list[dict], temperature: float = 0.0) 
     return sum(g[0] for g in grades) / len(problems), sum(len(g[0][0]) for g in groups) / len(groups), worked
 
 
-def build_toy(cache: Path, seed: int = 0) -> Path:
-    """Data splits and the warmed-up base model, built once and reused."""
-    if (cache / "meta.json").exists() and json.loads((cache / "meta.json").read_text()).get("version") == TOY_VERSION:
+def build_toy(cache: Path, seed: int = 0, supervised_steps: int = SUPERVISED_STEPS, test: int = TEST) -> Path:
+    """Data splits and the warmed-up base model, built once (on one thread, so any machine builds the same model)
+    and reused."""
+    version = [TOY_VERSION, supervised_steps, test]
+    if (cache / "meta.json").exists() and json.loads((cache / "meta.json").read_text()).get("version") == version:
         return cache
     import torch
+
+    torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import remix
@@ -165,7 +184,7 @@ def build_toy(cache: Path, seed: int = 0) -> Path:
         if digits not in seen:
             seen.add(digits)
             problems.append(digits)
-    splits = {"test": problems[:TEST], "val": problems[TEST:TEST + VAL], "train": problems[TEST + VAL:]}
+    splits = {"test": problems[:test], "val": problems[TEST:TEST + VAL], "train": problems[TEST + VAL:]}
     cache.mkdir(parents=True, exist_ok=True)
     for name, rows in splits.items():
         (cache / f"{name}.jsonl").write_text("".join(json.dumps(problem(t)) + "\n" for t in rows))
@@ -184,7 +203,7 @@ def build_toy(cache: Path, seed: int = 0) -> Path:
         target = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         return {"prompt_ids": remix.build_prompt(tokenizer, problem(t)["problem"]), "response_ids": target}
 
-    for step in range(1, SUPERVISED_STEPS + 1):
+    for step in range(1, supervised_steps + 1):
         model.train()
         batch = models.collate([example(t) for t in rng.sample(splits["train"], 32)], "cpu")
         logp, _ = remix.policy_forward(model, batch, 1.0)
@@ -195,13 +214,15 @@ def build_toy(cache: Path, seed: int = 0) -> Path:
         if step % 500 == 0:
             model.eval()
             accuracy, length, _ = pass_at_1(model, tokenizer, val)
-            print(f"toy: supervised step {step}/{SUPERVISED_STEPS}: loss {loss.item():.3f}, validation greedy "
+            print(f"toy: supervised step {step}/{supervised_steps}: loss {loss.item():.3f}, validation greedy "
                   f"accuracy {accuracy:.2f}, length {length:.1f}", flush=True)
     model.save_pretrained(cache / "base")
+    model.eval()
+    accuracy = pass_at_1(model, tokenizer, val)[0]
     test_accuracy, test_length, worked = pass_at_1(model, tokenizer, [problem(t) for t in splits["test"]],
                                                    EVAL_TEMPERATURE)
     greedy_test, _, _ = pass_at_1(model, tokenizer, [problem(t) for t in splits["test"]])
-    meta = {"version": TOY_VERSION, "supervised_steps": step, "val_greedy_accuracy": accuracy,
+    meta = {"version": version, "supervised_steps": step, "val_greedy_accuracy": accuracy,
             "test_accuracy": test_accuracy, "test_length": test_length, "test_worked_share": worked,
             "test_greedy_accuracy": greedy_test}
     (cache / "meta.json").write_text(json.dumps(meta))
@@ -227,8 +248,31 @@ def run_args(config: str, seed: int, lr: float, steps: int, T: int, toy: str, fo
                   max_response_tokens=MAX_TOKENS, temperature=1.0, actor_lr=lr, critic_lr=1e-3, sampler="hf",
                   save_every=0, grader_workers=1, max_prompt_tokens=256, overwrite=True, eval_every=0,
                   log_completions=0)
-    return remix.Args(**{**shared, **CONFIGS[config]}, model=str(Path(toy) / "base"),
+    overrides = {k: v for k, v in CONFIGS[config].items() if k != "fork"}
+    return remix.Args(**{**shared, **overrides}, model=str(Path(toy) / "base"),
                       dataset=str(Path(toy) / "train.jsonl"), out=str(folder), seed=seed)
+
+
+def zero_spread_share(samples: list[dict]) -> float | None:
+    """The share of these samples' groups whose rewards are all equal (A_hat = 0: no gradient); None for none."""
+    groups = {}
+    for s in samples:
+        groups.setdefault(s["group"], set()).add(s["reward"])
+    return sum(len(rewards) == 1 for rewards in groups.values()) / len(groups) if groups else None
+
+
+def fork_project(fork: str, cache: Path) -> Path:
+    """A copy of remix.py with docs/forks/FORK.diff applied, and the machinery, for the jobs of a configuration."""
+    import shutil
+
+    folder = cache / "forks" / fork
+    if not (folder / "remix.py").exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        shutil.copy(ROOT / "remix.py", folder / "remix.py")
+        shutil.copytree(ROOT / "machinery", folder / "machinery", ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run(["git", "apply", str(ROOT / "docs" / "forks" / f"{fork}.diff")], cwd=folder, check=True)
+    return folder
 
 
 def bucket_of(length: int) -> str:
@@ -264,6 +308,7 @@ def run(job: str, toy: str, out: str, eval_every: int) -> dict:
         per_step.append({"step": step, "reward": record["reward/mean"], "length": record["response/length_mean"],
                          "worked_share": worked, "log_ratio_sd": record["offpolicy/log_ratio_std"],
                          "trace_prod_mean": record["offpolicy/trace_prod_mean"],
+                         "historical_zero_spread": zero_spread_share([s for s in batch if s["version"] < step]),
                          "historical_by_length": {k: {"n": n, "log_ratio": lr_sum / n, "advantage": adv_sum / n}
                                                   for k, (n, lr_sum, adv_sum) in sorted(buckets.items())}})
         if step % eval_every == 0 or step == steps:
@@ -290,11 +335,19 @@ def run_jobs(jobs: list[str], cli: ToyArgs, toy: str) -> list[dict]:
     """The jobs over --workers processes with one core each; each process runs its share one after another,
     so imports and the grader worker are paid once per process. Finished runs are read back, not repeated."""
     todo = [j for j in jobs if not (run_dir(cli.out, j) / "curve.json").exists()]
+    for fork in dict.fromkeys(CONFIGS[j.split("@")[0]].get("fork") for j in todo):  # one pool per project
+        run_pool([j for j in todo if CONFIGS[j.split("@")[0]].get("fork") == fork], cli, toy, fork)
+    return [json.loads((run_dir(cli.out, j) / "curve.json").read_text()) for j in jobs]
+
+
+def run_pool(todo: list[str], cli: ToyArgs, toy: str, fork: str | None):
+    """The jobs of one project (remix.py, or a fork of it) over --workers processes."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               **({"TOY_PROJECT": str(fork_project(fork, Path(toy)))} if fork else {}))
 
     def worker(share):
         if not share:
             return
-        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
         done = subprocess.run([sys.executable, str(HERE / "toy.py"), "--cache", toy, "--out", cli.out, "--eval-every",
                                str(cli.eval_every), "--jobs", *share], env=env, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
@@ -302,7 +355,6 @@ def run_jobs(jobs: list[str], cli: ToyArgs, toy: str) -> list[dict]:
 
     with concurrent.futures.ThreadPoolExecutor(cli.workers) as pool:
         list(pool.map(worker, [todo[i :: cli.workers] for i in range(cli.workers)]))
-    return [json.loads((run_dir(cli.out, j) / "curve.json").read_text()) for j in jobs]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,6 +505,34 @@ def summarize(results: list[dict], cli: ToyArgs) -> dict:
                                                       for r in groups[key]])}
                           for p, name in P_SWEEP.items()
                           for key in [(name, best.get("remix-grpo"), cli.steps)] if key in groups}
+    # the paper's Table 3 in miniature, and the candidate causes of ReMix-GRPO's missing saving, on the headline's
+    # targets (on-policy's final Pass@1 at each side's best lr, 24 steps)
+    summary["table3"], summary["causes"] = {}, {}
+
+    def row(name, lr, headline):
+        runs = groups.get((name, lr, cli.steps))
+        if not runs:
+            return None
+        shares = [x["historical_zero_spread"] for r in runs for x in r["per_step"]
+                  if x.get("historical_zero_spread") is not None]
+        return {"config": name, "final_accuracy": spread(final_accuracies(runs)), "rollouts": runs[0]["curve"][-1]["rollouts"],
+                "rollouts_to_final": spread(costs_to_reach(runs, headline["target_final"])),
+                "tokens_to_final": spread(costs_to_reach(runs, headline["target_final"], "tokens")),
+                "rollouts_to_half": spread(costs_to_reach(runs, headline["target_half"])),
+                "historical_zero_spread": statistics.mean(shares) if shares else None}
+
+    for algo, (remix_name, base) in PAIRS.items():
+        headline = summary["headline"].get(f"{algo} {cli.steps} steps")
+        if not (cli.study and headline):
+            continue
+        ends = [("ReMix", remix_name, best[remix_name]), ("on-policy", base, best[base])]
+        ablations = [(f"without {what}", f"{remix_name}/{suffix}", best[remix_name]) for what, suffix in TABLE3.items()]
+        causes = [(name.split("/")[1], name, best[remix_name]) for name in CAUSES] if algo == "GRPO" else []
+        for key, rows in (("table3", ends[:1] + ablations + ends[1:]), ("causes", ends[:1] + causes + ends[1:])):
+            if key == "causes" and not causes:
+                continue
+            entries = {label: row(name, lr, headline) for label, name, lr in rows}
+            summary[key][algo] = {label: entry for label, entry in entries.items() if entry}
     return summary
 
 
@@ -499,6 +579,17 @@ def markdown(summary: dict) -> str:
         for p, e in summary["p_sweep"].items():
             lines.append(f"| {p} | {fmt(e['final_accuracy'])} | {e['length_first_last'][0]:.1f} -> {e['length_first_last'][1]:.1f} | "
                          f"{e['worked_share_first_last'][0]:.2f} -> {e['worked_share_first_last'][1]:.2f} | {e['log_ratio_sd']:.3f} |")
+    for key, title in (("table3", "The paper's Table 3 in miniature: ReMix without each of its parts (ReMix's best lr)"),
+                       ("causes", "Why ReMix-GRPO saves nothing: one candidate cause changed at a time (ReMix-GRPO's best lr)")):
+        for algo, rows in summary.get(key, {}).items():
+            lines += ["", f"## {title}: {algo}", "",
+                      "| run | final Pass@1 | rollouts | rollouts to on-policy's final | tokens to it | "
+                      "rollouts to its half-budget accuracy | zero-spread share of historical groups |", "|" + "---|" * 7]
+            for label, e in rows.items():
+                share = "" if e["historical_zero_spread"] is None else f"{e['historical_zero_spread']:.2f}"
+                lines.append(f"| {label} ({e['config']}) | {fmt(e['final_accuracy'])} | {e['rollouts']:,} | "
+                             f"{fmt(e['rollouts_to_final'], 0)} | {fmt(e['tokens_to_final'], 0)} | "
+                             f"{fmt(e['rollouts_to_half'], 0)} | {share} |")
     if summary["whipping"]:
         lines += ["", "## Historical samples by response length (all steps and seeds)", "",
                   "| method | length (tokens) | samples | mean log(pi_k/mu) | mean advantage |", "|" + "---|" * 5]
@@ -650,7 +741,30 @@ def trl_comparison(toy: Path, out: Path, rounds: int, steps: int) -> dict:
     return result
 
 
+PIN = dict(job="remix-grpo@1@0.0001@4@2", supervised_steps=300, test=200, eval_every=2)
+
+
+def pinned_curve(cache: Path) -> dict:
+    """The short run tests/test_toy.py pins: a base trained for 300 supervised steps, 200 held-out problems, 4 steps
+    of ReMix-GRPO at lr 1e-4 with seed 1, evaluated every 2 steps. Every number but the seconds, which vary."""
+    import tempfile
+
+    toy = build_toy(cache, supervised_steps=PIN["supervised_steps"], test=PIN["test"])
+    meta = json.loads((toy / "meta.json").read_text())
+    with tempfile.TemporaryDirectory() as out:
+        result = run(PIN["job"], str(toy), out, PIN["eval_every"])
+    return {"base": {k: meta[k] for k in ("test_accuracy", "test_greedy_accuracy", "test_length")},
+            "job": PIN["job"], "curve": [{k: v for k, v in point.items() if k != "seconds"} for point in result["curve"]],
+            "rewards": [step["reward"] for step in result["per_step"]]}
+
+
 def main(cli: ToyArgs):
+    if cli.pin:
+        curve = pinned_curve(Path(cli.cache) / "pin")
+        Path(cli.pin).parent.mkdir(parents=True, exist_ok=True)
+        Path(cli.pin).write_text(json.dumps(curve, indent=1) + "\n")
+        print(f"toy: the pinned run's curve is in {cli.pin}: {curve['curve']}")
+        return
     if cli.jobs:
         for job in cli.jobs:
             run(job, cli.cache, cli.out, cli.eval_every)
@@ -686,6 +800,11 @@ def main(cli: ToyArgs):
         phase2 += [job_name(name, s, best[name], 60, 30) for name in four for s in seeds]
         phase2 += [job_name("remix-ppo/p=0.0", s, best["remix-ppo"], steps, T) for steps, T in
                    ((cli.steps, cli.reincarnate_step), (60, 30)) for s in seeds]
+        # Table 3 in miniature, and the candidate causes of ReMix-GRPO's missing saving, at ReMix's best lr
+        phase2 += [job_name(f"{name}/{suffix}", s, best[name], cli.steps, cli.reincarnate_step)
+                   for name, _ in PAIRS.values() for suffix in TABLE3.values() for s in seeds]
+        phase2 += [job_name(name, s, best["remix-grpo"], cli.steps, cli.reincarnate_step) for name in CAUSES
+                   for s in seeds]
         results += run_jobs(phase2, cli, toy)
     else:
         results = run_jobs([job_name(c, s, cli.lr, cli.steps, cli.reincarnate_step) for s in seeds for c in cli.configs],
