@@ -22,7 +22,6 @@ if __name__ == "__main__":  # first: a Ctrl-C while torch imports ends in one li
 import dataclasses
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

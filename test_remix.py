@@ -22,12 +22,9 @@ Where each piece of the paper is tested:
 
 import collections
 import dataclasses
-import functools
 import json
 import math
 import os
-import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -17,7 +17,6 @@ the NEAR other gold answers most like it as text; the pairs graded right are lis
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path

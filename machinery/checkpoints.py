@@ -224,7 +224,10 @@ def resume_args(args, saved: dict, done: int):
     defaults, given = type(args)(), dataclasses.asdict(args)
     changed = [k for k, v in given.items() if v != getattr(defaults, k) and k not in ("resume", "steps")
                and v != saved.get(k)]
-    steps = args.steps if args.steps != defaults.steps else saved["steps"]
+    import sys
+
+    given = args.steps != defaults.steps or any(a == "--steps" or a.startswith("--steps=") for a in sys.argv[1:])
+    steps = args.steps if given else saved["steps"]  # --steps 350 typed out extends a run too
     if steps < done:
         run.fail(f"--resume {args.resume}: the run has finished {done} steps, more than --steps {steps}")
     if changed:

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import fcntl
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -97,7 +98,9 @@ def check_args(args):
                f"of {ranks}"),
               (ranks % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {ranks} processes"),
               (args.sampler_is_cap is None or args.sampler == "vllm",
-               "--sampler-is-cap needs --sampler vllm (the sampler's log-probs come from vLLM)")]
+               "--sampler-is-cap needs --sampler vllm (the sampler's log-probs come from vLLM)"),
+              (not args.track or importlib.util.find_spec("wandb") is not None,
+               "--track logs to wandb, which is not installed (it is no dependency): pip install wandb")]
     for ok, message in checks:
         if not ok:
             fail(message)

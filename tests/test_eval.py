@@ -19,7 +19,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
-import remix  # noqa: E402
 from machinery import evaluation  # noqa: E402
 from tests.common import BENCH, ROOT  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402

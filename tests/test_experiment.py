@@ -18,7 +18,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from machinery import evaluation  # noqa: E402
 from tests.common import ROOT, read_metrics, run_remix, tiny_args, tiny_cli  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 

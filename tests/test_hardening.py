@@ -8,7 +8,6 @@ its work, and the GPU review's CPU-testable items (the engine in process, a push
 
 import ast
 import json
-import math
 import os
 import resource
 import shutil
@@ -26,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from machinery import data, engines, evaluation, run  # noqa: E402
+from machinery import data, engines, run  # noqa: E402
 from tests.common import ROOT, one_error_line, read_metrics, run_remix, tiny_args, tiny_cli  # noqa: E402
 
 
@@ -98,6 +97,17 @@ def test_each_bad_value_of_an_eval_flag_gets_one_line(name, bound, tiny_model, t
         assert exit_info.value.code == 2 and err == [f"eval: error: --{name.replace('_', '-')} must be {bound}, "
                                                      f"got {value}"], (name, value, err)
         assert not (tmp_path / "out").exists()
+
+
+def test_track_without_wandb_installed_gets_one_line_and_writes_nothing(tiny_model, train_file, tmp_path, capsys,
+                                                                        monkeypatch):
+    real = run.importlib.util.find_spec
+    monkeypatch.setattr(run.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(tiny_args(tiny_model, train_file, tmp_path / "out", track=True))
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "remix: error: --track logs to wandb, which is not installed (it is no dependency): pip install wandb"]
+    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------------------------

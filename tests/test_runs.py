@@ -204,6 +204,17 @@ def test_resume_refusals_get_one_line(tmp_path, capsys):
                   "the run has finished 5 steps, more than --steps 3")
 
 
+def test_resume_steps_given_at_the_default_value_still_extend_the_run(tmp_path, monkeypatch):
+    """--resume OUT --steps 350 after a 2-step run extends it to 350, though 350 is --steps' default; without
+    --steps the saved 2 stands."""
+    saved = dataclasses.asdict(remix.Args(steps=2, out=str(tmp_path)))
+    args = remix.Args(resume=str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--steps", str(remix.Args.steps)])
+    assert checkpoints.resume_args(args, saved, 2).steps == remix.Args.steps
+    monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path)])
+    assert checkpoints.resume_args(args, saved, 2).steps == 2
+
+
 def test_a_model_folder_without_a_model_and_a_missing_vllm_get_one_line(tmp_path, capsys, monkeypatch):
     dist.init()
     one_line_exit(capsys, lambda: models.load(remix.finalize_args(remix.Args(model=str(tmp_path)))),
@@ -318,6 +329,35 @@ def test_non_finite_updates_stop_the_run_and_keep_the_last_good_checkpoint(tiny_
 
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint-2"))
     assert all(torch.isfinite(p).all() for p in reloaded.parameters())
+
+
+def test_one_non_finite_update_is_skipped_and_the_run_carries_on_with_finite_weights(tiny_model, train_file, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """One poisoned mini-batch at step 2: its optimizer step is skipped (a stepped NaN gradient would put NaN in every
+    weight, and every later update would be skipped too), the run finishes, and the final policy is finite."""
+    step, calls, loss = {"now": 0}, {"n": 0}, remix.mix_ppg_loss
+    schedule = remix.kl_convex_lambda
+
+    def lam(t, *rest):
+        step["now"] = t
+        return schedule(t, *rest)
+
+    def poisoned_once(*a, **k):
+        value, stats = loss(*a, **k)
+        if step["now"] == 2:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                return value * float("nan"), stats
+        return value, stats
+
+    monkeypatch.setattr(remix, "kl_convex_lambda", lam)
+    monkeypatch.setattr(remix, "mix_ppg_loss", poisoned_once)
+    done = remix.train(tiny_args(tiny_model, train_file, tmp_path, steps=4))
+    assert capsys.readouterr().err.count("update skipped") == 1
+    rows = read_metrics(tmp_path)
+    assert [r["train/skipped_updates"] for r in rows] == [0, 1, 0, 0]
+    assert all(math.isfinite(r["losses/policy_loss"]) for r in rows)
+    assert all(torch.isfinite(p).all() for p in done["policy"].parameters())
 
 
 # ----------------------------------------------------------------------------------------------
