@@ -85,8 +85,8 @@ def test_compare_reads_targets_from_hand_made_curves():
 @pytest.mark.slow
 def test_a_short_toy_run_gives_exactly_the_committed_curve(tmp_path):
     """The toy study's results reproduce from the committed code: a short run (a base of 300 supervised steps, 4
-    steps of ReMix-GRPO, seed 1, one thread) gives exactly the curve committed in docs/toy/pinned_curve.json. A
-    change that moves the toy's numbers fails here; when that is meant, `python toy/toy.py --pin
+    steps of ReMix-GRPO, seed 1, one thread, the baseline CPU kernels that every x86-64 machine runs alike) gives exactly
+    the curve committed in docs/toy/pinned_curve.json. A change that moves the toy's numbers fails here; when that is meant, `python toy/toy.py --pin
     docs/toy/pinned_curve.json` regenerates it in the same commit, and the study is rerun."""
     import json
     import subprocess

@@ -47,6 +47,15 @@ from pathlib import Path
 
 import tyro
 
+# A pinned run (--pin) must give the same bits on any x86-64 machine, but torch and MKL pick kernels for the CPU
+# at hand (AVX2, AVX-512), and those round differently: a base model built with AVX2 kernels differs from one built
+# with AVX-512 kernels after 40 supervised steps. The pin runs the baseline kernels every x86-64 CPU has, on one
+# thread. (The study runs the native kernels: its numbers are those of the CPU capability in results.json.)
+PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                    "OMP_NUM_THREADS": "1"}
+if "--pin" in sys.argv:  # before torch is imported
+    os.environ.update(PORTABLE_KERNELS)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent  # the repository: remix.py, machinery/, tests/
 # a configuration with a fork runs on a copy of remix.py with that docs/forks diff applied (fork_project)
@@ -701,8 +710,9 @@ def plot(results: list[dict], summary: dict, out: Path, cli: ToyArgs):
                out / "length_vs_step.png", vline=cli.reincarnate_step)
 
 
-def write_outputs(results: list[dict], cli: ToyArgs, out: Path) -> str:
-    """results.json (a target never reached is null), results.md and the plots; returns the tables."""
+def write_outputs(results: list[dict], cli: ToyArgs, out: Path, cpu_capability: str | None = None) -> str:
+    """results.json (a target never reached is null), results.md and the plots; returns the tables. cpu_capability:
+    torch's CPU kernels the runs ran on (default this machine's)."""
     summary = summarize(results, cli)
 
     def never_as_null(x):
@@ -712,7 +722,10 @@ def write_outputs(results: list[dict], cli: ToyArgs, out: Path) -> str:
             return [never_as_null(v) for v in x]
         return None if x == math.inf else x
 
-    record = {"settings": dataclasses.asdict(cli), "configs": CONFIGS, "summary": summary, "runs": results}
+    import torch
+
+    record = {"settings": dataclasses.asdict(cli), "cpu_capability": cpu_capability or torch.backends.cpu.get_cpu_capability(),
+              "configs": CONFIGS, "summary": summary, "runs": results}
     (out / "results.json").write_text(json.dumps(never_as_null(record), indent=1, allow_nan=False))
     table = markdown(summary)
     (out / "results.md").write_text(table)
@@ -760,7 +773,7 @@ def pinned_curve(cache: Path) -> dict:
 
 def main(cli: ToyArgs):
     if cli.pin:
-        curve = pinned_curve(Path(cli.cache) / "pin")
+        curve = pinned_curve(Path(cli.cache) / "pin-portable")
         Path(cli.pin).parent.mkdir(parents=True, exist_ok=True)
         Path(cli.pin).write_text(json.dumps(curve, indent=1) + "\n")
         print(f"toy: the pinned run's curve is in {cli.pin}: {curve['curve']}")
@@ -779,13 +792,17 @@ def main(cli: ToyArgs):
         saved = json.loads((out / "results.json").read_text())
         fields = {f.name for f in dataclasses.fields(ToyArgs)}
         settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["settings"].items() if k in fields}
-        write_outputs(saved["runs"], dataclasses.replace(cli, **{**settings, "out": cli.out, "replot": True}), out)
+        write_outputs(saved["runs"], dataclasses.replace(cli, **{**settings, "out": cli.out, "replot": True}), out,
+                      saved.get("cpu_capability"))
         print(f"toy: tables and plots rebuilt in {out}")
         return
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     toy = str(build_toy(Path(cli.cache)))
-    print(f"toy: base model {json.loads((Path(toy) / 'meta.json').read_text())}", flush=True)
+    import torch
+
+    print(f"toy: base model {json.loads((Path(toy) / 'meta.json').read_text())}, torch's CPU kernels: "
+          f"{torch.backends.cpu.get_cpu_capability()}", flush=True)
     seeds = range(1, (cli.seeds or (5 if cli.study else 3)) + 1)
     if cli.study:
         four = ("remix-grpo", "grpo", "remix-ppo", "ppo")
