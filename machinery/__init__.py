@@ -11,7 +11,7 @@ call (`dist.all_reduce(...)`, `engines.push_weights(...)`), and nothing here cha
     checkpoints  checkpoints written atomically, read without executing anything, and exact resume
     evaluation   Pass@1 on the benchmarks, for eval.py and for evaluation during training
     deepscaler   DeepScaleR's answer rules (the grader behind the paper's numbers), for eval.py --grader deepscaler
-    notation     answers rewritten into notation math-verify reads (1.39e9, x', \dfrac, ...) before it parses them
+    notation     answers rewritten into notation math-verify reads (1.39e9, x', \\dfrac, ...) before it parses them
     curves       the pictures of eval.py --curves: Pass@1 against rollouts and tokens, length and reflection
     startup      the first lines a program runs: Ctrl-C while torch imports ends in one line
 """

@@ -1,9 +1,10 @@
 """The paper's claim in miniature, on a CPU: when does ReMix save rollouts on a toy task, and why.
 
     pip install -r requirements-toy.txt && pip uninstall -y torchvision torchaudio torchcodec
-    python toy.py            # the short run: about 9.5 minutes on 2 cores
-    python toy.py --study    # the study behind README's toy section: about 1.6 hours on 2 cores (145 runs)
-    python toy.py --out docs/toy --replot   # the tables and plots again from the committed results.json
+    python toy/toy.py            # the short run: about 10 minutes on 2 cores
+    python toy/toy.py --study    # the study of docs/toy: 200 runs, about 3 hours on 2 cores
+    python toy/toy.py --out docs/toy --replot   # the tables and plots again from the committed results.json
+    python toy/toy.py --pin docs/toy/pinned_curve.json   # the short run tests/test_toy.py compares bit for bit
 
 The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.math_reward. The base model is a tiny
 Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed instruction) trained by
@@ -21,7 +22,10 @@ GRPOTrainer against remix.py. The study:
   1. lr sweep: ReMix-GRPO, GRPO, ReMix-PPO and PPO at actor lr 1e-5, 3e-5, 1e-4 and 3e-4, 5 seeds each;
   2. at each method's best lr (highest median final accuracy): on-policy at 2x and 4x ReMix's best lr (does a
      larger on-policy step buy the same saving?), ReMix-GRPO's p sweep (0, 0.2, 0.6; 0.4 is the default),
-     60-step runs (T = 30) of the headline pairs, and ReMix-PPO without replay (p = 0) over 24 and 60 steps.
+     60-step runs (T = 30) of the headline pairs, and ReMix-PPO without replay (p = 0) over 24 and 60 steps;
+     the paper's Table 3 in miniature (ReMix-GRPO and ReMix-PPO without higher UTD, without KL-Convex, without
+     reincarnation); and the candidate causes of ReMix-GRPO's missing saving, each a fork of docs/forks
+     (informative groups only in the deque, a recency-weighted draw, N = 1, a p schedule, the clip centred at 1).
 Targets: the rollouts (and generated tokens) each method needs to reach on-policy's final accuracy, and the
 accuracy on-policy reaches at half its budget; medians over seeds with bootstrap 90% intervals; a seed that
 never reaches a target counts as never. Per step, for historical samples, the mean log(pi_k/mu) and the mean
