@@ -267,7 +267,8 @@ def run_args(config: str, seed: int, lr: float, steps: int, T: int, toy: str, fo
 
 
 def zero_spread_share(samples: list[dict]) -> float | None:
-    """The share of these samples' groups whose rewards are all equal (A_hat = 0: no gradient); None for none."""
+    """The share of these samples' groups whose rewards are all equal (GRPO: A_hat = 0, no gradient); None for none.
+    (A PPO sample is a group of one: the share is 1 and means nothing there.)"""
     groups = {}
     for s in samples:
         groups.setdefault(s["group"], set()).add(s["reward"])
@@ -599,7 +600,7 @@ def markdown(summary: dict) -> str:
                       "| run | final Pass@1 | rollouts | rollouts to on-policy's final | tokens to it | "
                       "rollouts to its half-budget accuracy | zero-spread share of historical groups |", "|" + "---|" * 7]
             for label, e in rows.items():
-                share = "" if e["historical_zero_spread"] is None else f"{e['historical_zero_spread']:.2f}"
+                share = "" if e["historical_zero_spread"] is None or algo == "PPO" else f"{e['historical_zero_spread']:.2f}"
                 lines.append(f"| {label} ({e['config']}) | {fmt(e['final_accuracy'])} | {e['rollouts']:,} | "
                              f"{fmt(e['rollouts_to_final'], 0)} | {fmt(e['tokens_to_final'], 0)} | "
                              f"{fmt(e['rollouts_to_half'], 0)} | {share} |")
