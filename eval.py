@@ -211,7 +211,7 @@ def evaluate(args: EvalArgs) -> list[dict]:
     try:
         generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples)
     except BaseException as error:  # a signal, or what the code it landed in made of it
-        if not (isinstance(error, KeyboardInterrupt) or run.interrupted()):
+        if not run.from_signal(error):
             raise
         raise run.Stopped(f"interrupted; the {len({(s['run'], s['benchmark'], s['repeat']) for s in samples})} "
                           f"finished runs of benchmarks are in {args.out}/samples.jsonl: rerun the same command to "

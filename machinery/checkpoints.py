@@ -16,6 +16,7 @@ import os
 import random
 import re
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -224,10 +225,8 @@ def resume_args(args, saved: dict, done: int):
     defaults, given = type(args)(), dataclasses.asdict(args)
     changed = [k for k, v in given.items() if v != getattr(defaults, k) and k not in ("resume", "steps")
                and v != saved.get(k)]
-    import sys
-
-    given = args.steps != defaults.steps or any(a == "--steps" or a.startswith("--steps=") for a in sys.argv[1:])
-    steps = args.steps if given else saved["steps"]  # --steps 350 typed out extends a run too
+    steps_given = args.steps != defaults.steps or any(a == "--steps" or a.startswith("--steps=") for a in sys.argv[1:])
+    steps = args.steps if steps_given else saved["steps"]  # --steps 350 typed out extends a run too
     if steps < done:
         run.fail(f"--resume {args.resume}: the run has finished {done} steps, more than --steps {steps}")
     if changed:

@@ -193,8 +193,8 @@ def lock(out: str, prog: str = "remix"):
     """Create --out and hold an exclusive lock on OUT/.remix.lock for the whole run (the kernel releases it when the
     process dies, however it dies): a second run, or a resume, of a folder in use is refused with one line."""
     error = None
-    if dist.rank() == 0 and not any(os.path.samefile(os.path.dirname(h.name), out) for h in _locks
-                                    if os.path.isdir(out)):
+    held = os.path.isdir(out) and any(os.path.samefile(os.path.dirname(h.name), out) for h in _locks)
+    if dist.rank() == 0 and not held:
         try:
             os.makedirs(out, exist_ok=True)
             handle = open(os.path.join(out, LOCK), "a+")
@@ -459,6 +459,11 @@ def interrupted() -> bool:
     return _interrupt["seen"] is not None
 
 
+def from_signal(error: BaseException) -> bool:
+    """Whether an error is a signal's: Ctrl-C itself, or what the code the signal landed in made of it."""
+    return isinstance(error, KeyboardInterrupt) or interrupted()
+
+
 def check_interrupted():
     if _interrupt["seen"] is not None:
         raise KeyboardInterrupt
@@ -492,7 +497,7 @@ def main(program, prog: str = "remix"):
     try:
         result = program()
     except BaseException as interrupt:  # what breaks after a signal (code that wraps it in its own error) is the signal
-        if not (isinstance(interrupt, KeyboardInterrupt) or interrupted()):
+        if not from_signal(interrupt):
             raise
         grader.close_pool()
         signum = _interrupt["seen"] or signal.SIGINT
@@ -598,7 +603,7 @@ class Session:
     def __exit__(self, kind, error, trace):
         self.bar.close()
         self.log.close()
-        if error is not None and (isinstance(error, KeyboardInterrupt) or interrupted()):
+        if error is not None and from_signal(error):
             from machinery import grader  # what breaks after a signal (a writer wraps it in its own error) is the signal
 
             grader.close_pool()
