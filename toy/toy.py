@@ -6,16 +6,16 @@
     python toy/toy.py --out docs/toy --replot   # the tables and plots again from the committed results.json
     python toy/toy.py --pin docs/toy/pinned_curve.json   # the short run tests/test_toy.py compares bit for bit
 
-The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.math_reward. The base model is a tiny
-Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed instruction) trained by
-supervised learning on two answer styles: a quarter of the targets work the running sums out before the box
-('3+5=8 8+8=16 16+2=18 \\boxed{18}', up to 42 tokens), the rest give the bare '\\boxed{18}' (about 11). So
-response length can move either way under RL. 4,000 training and 1,000 held-out problems. Every run is the
-real remix.train loop (transformers sampler), with held-out Pass@1 (one sample per problem at temperature 1,
-from a fixed seed on a forked RNG) every --eval-every steps. The paper's time axis is scaled by about 1/8:
-24 steps, reincarnation at T = 12, lambda(t) falling after step T/3 by 0.1 every 2 steps. GRPO runs 8 prompts
-x 8, PPO 64 prompts x 1. The on-policy baselines are remix.py's --on-policy: p = 0, m = 1, no reincarnation,
-KL to the base model only.
+The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.py's answer check (evaluation.math_reward).
+The base model is a tiny Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed
+instruction) trained by supervised learning on two answer styles: a quarter of the targets work the running sums
+out before the box ('3+5=8 8+8=16 16+2=18 \\boxed{18}', up to 42 tokens), the rest give the bare '\\boxed{18}'
+(about 11). So response length can move either way under RL. 4,000 training and 1,000 held-out problems. Every
+run is the real remix.train loop (transformers sampler), with held-out Pass@1 (one sample per problem at
+temperature 1, from a fixed seed on a forked RNG) every --eval-every steps. The paper's time axis is scaled by
+about 1/8: 24 steps, reincarnation at T = 12, lambda(t) falling after step T/3 by 0.1 every 2 steps. GRPO runs 8
+prompts x 8, PPO 64 prompts x 1. The on-policy baselines are remix.py's --on-policy: p = 0, m = 1, no
+reincarnation, KL to the base model only.
 
 The short run trains the four headline configurations and three ablations at one lr, then times TRL's
 GRPOTrainer against remix.py. The study:
@@ -54,7 +54,8 @@ import tyro
 # A pinned run (--pin) must give the same bits on any x86-64 machine, but torch and MKL pick kernels for the CPU
 # at hand (AVX2, AVX-512), and those round differently: a base model built with AVX2 kernels differs from one built
 # with AVX-512 kernels after 40 supervised steps. The pin runs the baseline kernels every x86-64 CPU has, on one
-# thread. (The study runs the native kernels: its numbers are those of the CPU capability in results.json.)
+# thread, and AdamW's fused step (pin_fused_adamw). (The study runs the native kernels and the default AdamW: its
+# numbers are those of the CPU capability in results.json.)
 PORTABLE_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
                     "OMP_NUM_THREADS": "1"}
 if "--pin" in sys.argv:  # before torch is imported
@@ -170,7 +171,7 @@ def pass_at_1(model, tokenizer, problems: list[dict], temperature: float = 0.0) 
         torch.manual_seed(1234)
         groups = engines.hf_generate(model, tokenizer, prompts, 1, temperature, 1.0, MAX_TOKENS, len(problems))
     texts = [tokenizer.decode(g[0][0], skip_special_tokens=True) for g in groups]
-    grades = evaluation.grade_many([(t, [p["answer"]]) for t, p in zip(texts, problems)], workers=1)
+    grades = evaluation.grade_many(remix.METHOD, [(t, [p["answer"]]) for t, p in zip(texts, problems)], workers=1)
     worked = sum(not t.lstrip().startswith("\\boxed") for t in texts) / len(texts)
     return sum(g[0] for g in grades) / len(problems), sum(len(g[0][0]) for g in groups) / len(groups), worked
 
@@ -762,11 +763,26 @@ def trl_comparison(toy: Path, out: Path, rounds: int, steps: int) -> dict:
 PIN = dict(job="remix-grpo@1@0.0001@4@2", supervised_steps=300, test=200, eval_every=2)
 
 
+def pin_fused_adamw():
+    """AdamW's default step takes the square root of its second moment with torch.sqrt, which is MKL's float32 sqrt:
+    not correctly rounded, and not the same on every CPU even under MKL_CBWR=COMPATIBLE (of 100,000 values, 19,501
+    differ from the exact root on an Intel Xeon, 19,241 on an emulated Haswell or EPYC). torch's fused AdamW kernel
+    takes the exact IEEE square root. The pinned run uses it, for the base and for remix.train's optimizers."""
+    import torch
+
+    class FusedAdamW(torch.optim.AdamW):
+        def __init__(self, params, **kwargs):
+            super().__init__(params, fused=True, **kwargs)
+
+    torch.optim.AdamW = FusedAdamW
+
+
 def pinned_curve(cache: Path) -> dict:
     """The short run tests/test_toy.py pins: a base trained for 300 supervised steps, 200 held-out problems, 4 steps
     of ReMix-GRPO at lr 1e-4 with seed 1, evaluated every 2 steps. Every number but the seconds, which vary."""
     import tempfile
 
+    pin_fused_adamw()
     toy = build_toy(cache, supervised_steps=PIN["supervised_steps"], test=PIN["test"])
     meta = json.loads((toy / "meta.json").read_text())
     with tempfile.TemporaryDirectory() as out:
@@ -778,7 +794,7 @@ def pinned_curve(cache: Path) -> dict:
 
 def main(cli: ToyArgs):
     if cli.pin:
-        curve = pinned_curve(Path(cli.cache) / "pin-portable")
+        curve = pinned_curve(Path(cli.cache) / "pin-portable-fused")
         Path(cli.pin).parent.mkdir(parents=True, exist_ok=True)
         Path(cli.pin).write_text(json.dumps(curve, indent=1) + "\n")
         print(f"toy: the pinned run's curve is in {cli.pin}: {curve['curve']}")
