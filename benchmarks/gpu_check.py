@@ -1,45 +1,64 @@
 """The GPU paths of remix.py, measured on a model shaped like DeepSeek-R1-Distill-Qwen-1.5B (random weights,
-built offline: no hub needed), and the checks of the GPU review. One command on a GPU machine, under 5 minutes;
-the parts that need vLLM or two GPUs run when they are there and are reported as skipped when not.
+built offline: no hub needed), and the checks of the GPU review. The first thing to run on a GPU machine.
 
-    python benchmarks/gpu_check.py OUT_DIR [--quick: 128-token responses end to end]
-                                           [--parts attention,fp32,micro,reshard,ppo,grpo,tp]
+    python benchmarks/gpu_check.py OUT_DIR                  # the quick check (default)
+    python benchmarks/gpu_check.py OUT_DIR --full           # longer responses and micro-batches, no checkpointing
+    python benchmarks/gpu_check.py OUT_DIR --parts attention,fp32,micro,reshard,grpo,ppo,save,tp --budget-s 330
     torchrun --nproc-per-node 1 benchmarks/gpu_check.py OUT_DIR     # the same under torchrun, world size 1
 
-Without CUDA it runs the same code on the CPU with a tiny model and short lengths, as a dry run.
+What it needs: torch and transformers (2.11 and 5.17 on the lent H200 machine do), numpy, sympy, tokenizers,
+tensorboard. Without more, the parts that need neither math-verify nor vLLM run. The end-to-end parts (grpo,
+ppo, save) grade rewards with math-verify: where it is missing they are reported as skipped, and
+`python benchmarks/device_wheels.py .whl` builds the folder of wheels to carry to that machine (tyro, math-verify
+and its parsers; pure Python, about 1 MiB), installed there with
+`pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site`. vLLM is used where
+it is installed (the sleep, push and wake cycle then runs every step); else transformers' generate.
+
+How long: on one H200 the quick check is about 4-5 minutes (figures measured there before: building the 1.5B model
+and the micro-batch part about 1.5 minutes, a three-step GRPO run of 128-token responses 80 s; the PPO run is
+shorter here, at 128 tokens, than the 220 s measured at 512), and --budget-s (330 s by default) stops it starting
+a part once it is past that, recording the part as skipped: it ends within about 6 minutes. Each part is guarded
+(on CUDA a part that raises is recorded with its error and the rest still run), OUT_DIR/gpu_check.json is
+rewritten as each part finishes, every engine is shut down before the next part, and no checkpoint of the 1.5B
+models is written (about 43 GB for PPO, 25 GB for GRPO: a 64 GiB disk holds neither twice); the save part saves and
+resumes a small model instead. Without CUDA it runs the same code on the CPU with a tiny model and short lengths,
+as a dry run, and a failing part raises (a test runs it).
 
 1. micro: the memory a run holds between updates (policy and critic with their fp32 masters and AdamW states,
    the bf16 reference), read after a real `remix.update` has released its gradients; then one policy and one
-   critic micro-batch (forward, loss, backward, as in an update) of 1,024 prompt + R response tokens, R in
-   2k / 4k / 8k: peak memory above that, and seconds per micro-batch (median of 3), with and without gradient
-   checkpointing. Every model is FSDP2-sharded (one process is a group of one) with bf16 mixed precision.
-2. ppo, grpo: `remix.train` for 3 steps each with reincarnation after step 2 (mix stage, switch, on-policy
-   stage), --precision bf16, with vLLM when it is installed (so the sleep / wake / push cycle runs every step,
-   and the sampler-trainer mismatch is logged) and transformers' generate otherwise. Random weights rarely emit
-   EOS, so every response runs to the length limit. Reports kl/ref at step 1 (0 before any update).
-3. tp (two or more GPUs and vLLM): `torchrun --nproc-per-node 2` of one engine sharded over both ranks
+   critic micro-batch (forward, loss, backward, as in an update) of 1,024 prompt + R response tokens (R: 2k and 8k;
+   --full: 2k, 4k, 8k and 2k without gradient checkpointing): peak memory above that, and seconds per micro-batch
+   (median of 3). Every model is FSDP2-sharded (one process is a group of one) with bf16 mixed precision.
+2. grpo, ppo: `remix.train` for 3 steps each with reincarnation after step 2 (mix stage, switch, on-policy
+   stage), --precision bf16, and evaluations before step 1 and after step 3 (4 AIME problems, 64 tokens): the
+   evaluation at step 0, sampling, the push and the steps after it, in the order a default run makes them.
+   Random weights rarely emit EOS, so every response runs to the length limit (128 tokens; --full: PPO 512).
+   Reports kl/ref at step 1 (0 before any update) and the checkpoint the run would have written.
+3. save: a small model's GRPO run of 3 steps against the same run saved after step 2 and resumed: the CUDA and
+   CPU random generators, the optimizer shards and the deque come back, and the two log the same step 3.
+4. tp (two or more GPUs and vLLM): `torchrun --nproc-per-node 2` of one engine sharded over both ranks
    (--vllm-tp 2): the two ranks must hold identical token ids for the engine's prompts.
 
 The GPU review's checks, each a short measurement that would have caught its defect (JSON key in brackets):
-4. attention [cudnn_attention]: with `models.use_safe_attention()` in effect (cuDNN's SDPA off, as `models.load`
+5. attention [cudnn_attention]: with `models.use_safe_attention()` in effect (cuDNN's SDPA off, as `models.load`
    sets it on CUDA), a 2-layer bf16 Qwen2 of the 1.5B's width: for key lengths 64, 192 and 320 (64 mod 128,
    where cuDNN's backward NaNs the query gradient under an explicit mask), a left-padded pair of samples in one
    `models.collate` batch against each sample alone, through `remix.policy_forward` and a backward: log-probs
    equal within bf16 tolerance, gradients finite and equal within tolerance. For information only: whether the
    same padded backward gives NaN with cuDNN's SDPA enabled and preferred. On the CPU: the same code, CPU attention.
-5. reshard [reference_reshard]: memory allocated before and after a no-grad reference pass
+6. reshard [reference_reshard]: memory allocated before and after a no-grad reference pass
    (`models.per_token(remix.logp_of(args), reference, ...)`): the root's weights must be sharded (DTensor) again
    after it and the memory back near its level before (GiB; 0 on the CPU). Runs with micro's models.
-6. [threads] (vLLM): torch's CPU thread count before and after `engines.start` inside the first end-to-end run
+7. [threads] (vLLM): torch's CPU thread count before and after `engines.start` inside the first end-to-end run
    (vLLM sets it to 1 on GPU unless OMP_NUM_THREADS is set, which is unset for the start): must be equal.
-7. [push_check] (vLLM): after that run, a state dict with one layer's weight left out pushed through
+8. [push_check] (vLLM): after that run, a state dict with one layer's weight left out pushed through
    `collective_rpc("reload_weights")` under `engines.warnings_from(engines.RELOAD_LOG)`: vLLM's "not loaded"
    warning must be heard (what `engines.push_weights` stops on), and a full push must hear none.
-8. fp32 [fp32_head_grad]: `models._matmul_fp32` of a [4096, 1024] x [1024, 1536] bf16 product (the output
+9. fp32 [fp32_head_grad]: `models._matmul_fp32` of a [4096, 1024] x [1024, 1536] bf16 product (the output
    layer's gradient; `torch.mm(..., out_dtype=torch.float32)` on CUDA, the fp32 fallback elsewhere) against
    the product in float64: an fp32 result within fp32 rounding.
-On the CPU, 6 and 7 run as a dry run of the same code when vLLM is installed; what needs CUDA alone (the cuDNN
-comparison) is reported as "skipped: needs CUDA".
+On the CPU, 7 and 8 run as a dry run of the same code when vLLM is installed; what needs CUDA alone (the cuDNN
+comparison) is reported as "skipped: needs CUDA". Each part's seconds are in the report's "seconds".
 
 Writes OUT_DIR/gpu_check.json and prints each figure as it is measured.
 """
@@ -48,6 +67,7 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,15 +80,17 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import remix  # noqa: E402
-from machinery import dist, engines, models  # noqa: E402
+from machinery import checkpoints, dist, engines, models  # noqa: E402
 from tests.tiny_model import build_tokenizer  # noqa: E402
 
 GIB = 2**30
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 VLLM = importlib.util.find_spec("vllm") is not None
+GRADER = importlib.util.find_spec("math_verify") is not None
 NEEDS_CUDA = "skipped: needs CUDA"
-PARTS = ["attention", "fp32", "micro", "reshard", "ppo", "grpo", "tp"]
+NEEDS_GRADER = "skipped: needs math-verify (carry the wheels: python benchmarks/device_wheels.py .whl)"
+PARTS = ["attention", "fp32", "micro", "reshard", "grpo", "ppo", "save", "tp"]
 
 
 def guarded(name: str, fn, *args) -> dict:
@@ -98,13 +120,14 @@ def reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def build_model(path: Path) -> None:
-    """The published R1-Distill-Qwen-1.5B config (Qwen2 architecture), random weights, the byte tokenizer."""
+def build_model(path: Path, small: bool = False) -> None:
+    """The published R1-Distill-Qwen-1.5B config (Qwen2 architecture), random weights, the byte tokenizer; small
+    (and on the CPU): the same architecture at a tiny size."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer()
     shape = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2) if CUDA else \
+                 num_attention_heads=12, num_key_value_heads=2) if CUDA and not small else \
         dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1)
     config = Qwen2Config(**shape, max_position_embeddings=131072,
@@ -119,31 +142,55 @@ def build_model(path: Path) -> None:
     print(f"gpu_check: built {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters", flush=True)
 
 
-def end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: int, report: dict | None = None) -> dict:
-    """With report (the first end-to-end run, vLLM installed): the threads and push_check checks too."""
-    reset_peak()
+def run_args(algo: str, model: Path, data: Path, out: Path, response_tokens: int, **overrides):
+    """A three-step run with reincarnation after step 2 and evaluations at steps 0 and 3, on vLLM where it is."""
     extra = dict(prompts_per_step=10, group_size=1, mini_batch_prompts=5) if algo == "ppo" else \
         dict(prompts_per_step=5, group_size=4, mini_batch_prompts=3)
-    sampler = "vllm" if VLLM else "hf"
-    args = remix.Args(algo=algo, model=str(model), dataset=str(data), out=str(out / algo), steps=3,
-                      reincarnate_step=2, max_response_tokens=response_tokens, max_prompt_tokens=256, sampler=sampler,
-                      save_every=0, grader_workers=2, overwrite=True, precision="bf16", eval_every=0,
-                      vllm_gpu_memory_utilization=0.3, **extra)
-    threads, real_start = {}, engines.start
+    return remix.Args(**{**dict(
+        algo=algo, model=str(model), dataset=str(data), out=str(out), steps=3, reincarnate_step=2,
+        max_response_tokens=response_tokens, max_prompt_tokens=256, sampler="vllm" if VLLM else "hf", save_every=0,
+        grader_workers=2, overwrite=True, precision="bf16", eval_every=3, eval_benchmarks=("aime24",), eval_limit=4,
+        eval_max_tokens=64 if CUDA else 8, vllm_gpu_memory_utilization=0.3, **extra), **overrides})
+
+
+def shut_down(state: dict):
+    """The run's engine stopped and its models freed, before the next part starts its own."""
+    if state.get("llm") is not None:
+        state["llm"].llm_engine.engine_core.shutdown()
+    state.clear()
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: int, report: dict | None = None) -> dict:
+    """With report (the first end-to-end run, vLLM installed): the threads and push_check checks too. The run's
+    checkpoint is not written (checkpoints.save records what it was handed instead), and its folder is removed."""
+    reset_peak()
+    args = run_args(algo, model, data, out / algo, response_tokens)
+    sampler = args.sampler
+    threads, real_start, real_save, saves = {}, engines.start, checkpoints.save, []
     if report is not None and sampler == "vllm":
         engines.start = lambda *a, **k: counted_start(real_start, threads, *a, **k)
+    checkpoints.save = lambda out, step, nets, *rest: saves.append(
+        {"step": step, "models": sorted(name for name, net in nets.items() if net is not None)})
     start = time.perf_counter()
     try:
         state = remix.train(args)
     finally:
-        engines.start = real_start
+        engines.start, checkpoints.save = real_start, real_save
     seconds = time.perf_counter() - start
-    rows = [json.loads(line) for line in open(out / algo / "metrics.jsonl")]
+    rows = metrics(out / algo)
     keys = ("phase", "perf/step_s", "perf/weight_sync_s", "train/optimizer_steps", "response/length_mean",
             "losses/policy_loss", "kl/ref", "rollouts/total", "mismatch/abs_log_ratio_mean", "mismatch/k3_kl",
             "mismatch/ratio_outside_0.5_2")
     result = {"sampler": sampler, "seconds": seconds, "peak_gib": memory(peak=True) / GIB,
-              "steps": [{k: r[k] for k in keys if k in r} for r in rows],
+              "evaluated_at": [r["step"] for r in rows if "eval/aime24/pass@1" in r], "checkpoints_not_written": saves,
+              "steps": [{k: r[k] for k in keys if k in r} for r in rows if r["step"] > 0],
               "finite": all(all(isinstance(v, (int, float)) and v == v for v in r.values()
                                 if isinstance(v, (int, float))) for r in rows)}
     print(f"gpu_check: {algo} end to end {json.dumps(result)}", flush=True)
@@ -153,10 +200,27 @@ def end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: i
                              **({} if CUDA else {"mode": "cpu dry run"})}
         print(f"gpu_check: threads {json.dumps(report['threads'])}", flush=True)
         report["push_check"] = guarded("push check", push_check, state["llm"], state["policy"])
-    del state
-    gc.collect()
-    if CUDA:
-        torch.cuda.empty_cache()
+    shut_down(state)
+    shutil.rmtree(out / algo)
+    return result
+
+
+def save_and_resume(data: Path, out: Path) -> dict:
+    """A small model's GRPO run of 3 steps, and the same run saved after step 2 and resumed: step 3 alike."""
+    model = out / "small-model"
+    build_model(model, small=True)
+    flags = dict(eval_every=0, **({} if CUDA else {"sampler": "hf"}))  # the CPU's resume on vLLM is a test's
+    shut_down(remix.train(run_args("grpo", model, data, out / "straight", 32, **flags)))
+    shut_down(remix.train(run_args("grpo", model, data, out / "resumed", 32, **flags, steps=2, save_every=2)))
+    shut_down(remix.train(remix.Args(resume=str(out / "resumed"), steps=3)))
+    a, b = metrics(out / "straight")[-1], metrics(out / "resumed")[-1]
+    figures = [k for k, v in a.items() if isinstance(v, float) and not k.startswith("perf/")]
+    gap = max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-8) for k in figures)
+    result = {"steps": [metrics(out / "straight")[-1]["step"], b["step"]], "figures": len(figures),
+              "max_relative_difference_at_step_3": gap, "ok": b["step"] == 3 and gap < 1e-3}
+    print(f"gpu_check: save and resume {json.dumps(result)}", flush=True)
+    for folder in ("straight", "resumed", "small-model"):
+        shutil.rmtree(out / folder)
     return result
 
 
@@ -177,7 +241,7 @@ def counted_start(real_start, seen: dict, *args, **kwargs):
 def push_check(llm, policy) -> dict:
     """A push that leaves one layer's weight out must be heard as vLLM's "not loaded" warning (what
     engines.push_weights stops on); a full push must hear none. The engine ends with the policy's full weights."""
-    engines.wake(llm, "weights")  # awake after the run's last push; a sleeping engine's weights wake first
+    assert not llm.llm_engine.is_sleeping()  # the run's last push woke it whole
     dtype = llm.llm_engine.model_config.dtype
     weights = [(name, tensor.to(dtype)) for name, tensor in dist.full_tensors(policy)]
     names = [name for name, _ in weights]
@@ -400,53 +464,75 @@ def tensor_parallel(model: Path, data: Path, out: Path) -> dict:
     if done.returncode != 0:
         return {"ok": False, "error": done.stderr[-2000:]}
     ranks = [torch.load(out / "tp" / f"engine-tokens-rank{r}.pt") for r in (0, 1)]
+    shutil.rmtree(out / "tp")  # with the run's final checkpoint
     return {"ok": ranks[0] == ranks[1], "calls": len(ranks[0])}
 
 
 def main():
     out = Path(sys.argv[1])
-    quick = "--quick" in sys.argv
+    full = "--full" in sys.argv
     parts = sys.argv[sys.argv.index("--parts") + 1].split(",") if "--parts" in sys.argv else PARTS
+    budget = float(sys.argv[sys.argv.index("--budget-s") + 1]) if "--budget-s" in sys.argv else 330.0
     out.mkdir(parents=True, exist_ok=True)
     model, data = out / "r1-distill-1.5b-shaped", out / "problems.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
                             for a in range(10) for b in range(10)))
     dist.init()  # a group of one, or torchrun's: the models are FSDP2-sharded either way
     report = {"device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)", "torch": torch.__version__,
-              "world_size": dist.world(), "vllm": VLLM, "gpus": torch.cuda.device_count()}
-    save = lambda: (out / "gpu_check.json").write_text(json.dumps(report, indent=1))  # noqa: E731
-    if "attention" in parts:
-        report["cudnn_attention"] = guarded("cudnn attention", cudnn_attention)
-        save()
-    if "fp32" in parts:
-        report["fp32_head_grad"] = guarded("fp32 head grad", fp32_head_grad)
-        save()
-    build_model(model)
-    if "micro" in parts:
-        report["resident_between_updates_gib"], report["micro_batch"] = micro_batch(
-            model, [64] if not CUDA else [2048, 4096, 8192], True, report if "reshard" in parts else None)
-        save()
-        report["micro_batch"] += micro_batch(model, [64] if not CUDA else [2048], False)[1]
-        save()
-    elif "reshard" in parts:
+              "world_size": dist.world(), "vllm": VLLM, "math_verify": GRADER, "gpus": torch.cuda.device_count(),
+              "mode": "full" if full else "quick", "seconds": {}}
+    began = time.perf_counter()
+
+    def part(name: str, key: str, fn, *args, needs_grader: bool = False):
+        """One part, guarded, its seconds recorded, the report written after it; skipped past the budget."""
+        if name not in parts:
+            return
+        if needs_grader and not GRADER:
+            report[key] = NEEDS_GRADER
+        elif time.perf_counter() - began > budget:
+            report[key] = f"skipped: past the {budget:.0f} s budget (--budget-s)"
+        else:
+            start = time.perf_counter()
+            report[key] = guarded(name, fn, *args)
+            report["seconds"][name] = round(time.perf_counter() - start, 1)
+        print(f"gpu_check: {key} {json.dumps(report[key]) if isinstance(report[key], str) else 'done'}", flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+
+    part("attention", "cudnn_attention", cudnn_attention)
+    part("fp32", "fp32_head_grad", fp32_head_grad)
+    if {"micro", "reshard", "grpo", "ppo"} & set(parts):
+        build_model(model)
+    lengths = ([2048, 4096, 8192] if full else [2048, 8192]) if CUDA else [64]
+
+    def micro():
+        held, rows = micro_batch(model, lengths, True, report if "reshard" in parts else None)
+        report["resident_between_updates_gib"] = held
+        return rows + (micro_batch(model, lengths[:1], False)[1] if full or not CUDA else [])
+
+    def reshard_alone():
         policy, reference, critic, args = load_models(model, True)
-        report["reference_reshard"] = guarded("reference reshard", reference_reshard, reference, args)
-        del policy, reference, critic
-        save()
-    checks = [a for a in ("ppo", "grpo") if a in parts][:1]  # threads and push_check ride on the first run
-    for algo in [a for a in ("ppo", "grpo") if a in parts]:
-        report[f"end_to_end_{algo}"] = end_to_end(model, data, out, algo, (128 if quick else 256) if CUDA else 32,
-                                                  report if algo in checks else None)
-        save()
+        return reference_reshard(reference, args)
+
+    part("micro", "micro_batch", micro)
+    if "micro" not in parts:
+        part("reshard", "reference_reshard", reshard_alone)
+    checks = [a for a in ("grpo", "ppo") if a in parts][:1]  # threads and push_check ride on the first run
+    for algo in ("grpo", "ppo"):
+        tokens = (512 if full and algo == "ppo" else 128) if CUDA else 32
+        part(algo, f"end_to_end_{algo}", end_to_end, model, data, out, algo, tokens,
+             report if algo in checks else None, needs_grader=True)
     for key in ("threads", "push_check"):
         if key not in report and checks:
             report[key] = "skipped: needs vLLM"
-    if "tp" in parts:
-        report["tensor_parallel"] = tensor_parallel(model, data, out) if VLLM and torch.cuda.device_count() >= 2 \
-            and dist.world() == 1 else "skipped: needs vLLM and two GPUs"
-        print(f"gpu_check: tensor parallel {report['tensor_parallel']}", flush=True)
-        save()
-    print("gpu_check: done", flush=True)
+    if VLLM and torch.cuda.device_count() >= 2 and dist.world() == 1:
+        part("tp", "tensor_parallel", tensor_parallel, model, data, out)
+    elif "tp" in parts:
+        report["tensor_parallel"] = "skipped: needs vLLM and two GPUs"
+    if model.exists():
+        shutil.rmtree(model)
+    part("save", "save_and_resume", save_and_resume, data, out, needs_grader=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    print(f"gpu_check: done in {time.perf_counter() - began:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

