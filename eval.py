@@ -4,7 +4,7 @@
     python eval.py --model M --protocol paper                             # greedy, and temperature 0.1 (32 runs on AIME, AMC)
     python eval.py --model M --protocol deepscaler                        # 16 samples at 0.6 / 0.95
     torchrun --nproc-per-node 8 eval.py --model M --protocol paper        # the problems split over 8 GPUs
-    python eval.py --regrade runs/eval/samples.jsonl --grader deepscaler  # grade saved samples again
+    python eval.py --regrade runs/eval/samples.jsonl --grader deepscaler --out runs/eval-deepscaler  # grade again
     python eval.py --curves runs/remix runs/remix-grpo --out runs/curves  # Pass@1 against rollouts, from runs' logs
 
 The prompt, the engines and the answer check are training's (remix.build_prompt, the vLLM engine, remix.grade_response),
@@ -20,6 +20,7 @@ if __name__ == "__main__":  # first: a Ctrl-C while torch imports ends in one li
     startup.one_line_interrupts("eval")
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -27,10 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import tyro
-
 import remix
-from machinery import dist, evaluation, run
+from machinery import checkpoints, data, dist, evaluation, flags, messages, models, run, runfolder, signals
 
 PROG = "eval"
 
@@ -78,7 +77,8 @@ class EvalArgs:
     overwrite: bool = False
     """replace an earlier evaluation in --out instead of continuing it"""
     regrade: str | None = None
-    """grade a saved samples.jsonl again instead of generating (results go to --out)"""
+    """grade a saved samples.jsonl again instead of generating (results go to --out, which must not hold an
+    evaluation of a model)"""
     curves: tuple[str, ...] = ()
     """run folders: draw Pass@1 against rollouts and generated tokens, and length and self-reflection against steps,
     from their metrics.jsonl into --out (PNG)"""
@@ -92,13 +92,8 @@ class EvalArgs:
     """>= 1: prompts per generate call with --sampler hf"""
 
 
-RANGES = {"n": ">= 1", "temperature": ">= 0", "top_p": "in (0, 1]", "max_tokens": ">= 1", "vllm_tp": ">= 1",
-          "vllm_gpu_memory_utilization": "in (0, 1)", "limit": ">= 1", "workers": ">= 1", "grade_timeout": "> 0",
-          "seed": "in [0, 2147483647]", "batch_size": ">= 1"}
-
-
 def fail(message: str):
-    run.fail(message, PROG)
+    messages.fail(message, PROG)
 
 
 def protocol_runs(args: EvalArgs, names: list[str]) -> list[dict]:
@@ -116,17 +111,22 @@ def protocol_runs(args: EvalArgs, names: list[str]) -> list[dict]:
 
 def check(args: EvalArgs):
     """Every flag and input that can be checked before a model loads, each with one line."""
-    run.check_ranges(args, RANGES, PROG)
+    flags.check_ranges(args, PROG)
     if args.protocol == "custom" and args.n > 1 and args.temperature == 0:
         fail("--n > 1 needs --temperature > 0: greedy samples are all the same")
     if args.protocol != "custom" and (args.n, args.temperature, args.top_p) != (1, 0.0, 1.0):
         fail(f"--protocol {args.protocol} sets its own samples, temperature and top-p: drop --n/--temperature/--top-p")
     if args.model is None:
         fail("--model is required (or --regrade SAMPLES.jsonl, or --curves RUN ...)")
-    run.check_model_path(args.model, PROG)
+    flags.check_model_path(args.model, PROG)
     if os.path.isdir(args.model) and not any(any(Path(args.model).glob(p)) for p in ("*.safetensors", "*.bin")):
         fail(f"model folder {args.model!r} holds no model weights (*.safetensors)")
-    run.check_hub({**({"--model": args.model} if run.is_hub_id(args.model) else {}),
+    if os.path.isdir(args.model):  # a truncated weights file or a FIFO is named before anything is written
+        try:
+            checkpoints.check_model_folder(args.model)
+        except ValueError as error:
+            fail(f"cannot load model {args.model!r}: {error}")
+    flags.check_hub({**({"--model": args.model} if flags.is_hub_id(args.model) else {}),
                    **({"--benchmarks": " ".join(args.benchmarks)} if args.hub else {})}, PROG)
     if dist.world() % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the {dist.world()} processes")
@@ -139,33 +139,87 @@ def settings_of(args: EvalArgs) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(args).items() if k in keys}
 
 
+def stamp_of(settings: dict) -> str:
+    """The mark every sample record carries of the settings that made it: a continued evaluation counts only its
+    own records, never a regrade's or another evaluation's written into its samples.jsonl."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def saved_settings(out: Path) -> dict | None:
+    """OUT/settings.json (an evaluation's settings, or a regrade's source), or None where there is none."""
+    path = out / "settings.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        saved = None
+    if not isinstance(saved, dict):
+        fail(f"{path} is damaged (not a JSON object of settings); choose another --out, or pass --overwrite")
+    return saved
+
+
+def held_files(out: Path) -> list[Path]:
+    """What --out holds besides the lock of the job in it."""
+    return [p for p in out.iterdir() if p.name != runfolder.LOCK] if out.is_dir() else []
+
+
 def prepare(args: EvalArgs, sizes: dict) -> list[dict]:
-    """--out checked (continued, refused, or replaced); returns the samples of the runs already finished there (a
-    run of a benchmark is finished when all its sizes[(label, benchmark)] samples were written)."""
+    """--out locked and checked (continued, refused, or replaced); returns the samples of the runs already finished
+    there (a run of a benchmark is finished when all its sizes[(label, benchmark)] samples were written)."""
     out, settings = Path(args.out), settings_of(args)
     saved_path, samples_path = out / "settings.json", out / "samples.jsonl"
+    runfolder.lock(args.out, PROG)  # first: a folder another eval writes into is neither read nor written
     kept = []
-    if dist.rank() == 0 and out.exists() and any(out.iterdir()) and not args.overwrite:
-        if not saved_path.is_file():
+    if dist.rank() == 0 and out.is_dir():  # nothing read or rewritten there may block
+        try:
+            checkpoints.check_special_files(str(out), recursive=False)
+        except ValueError as error:
+            fail(f"--out {out}: {error}")
+    if dist.rank() == 0 and held_files(out) and not args.overwrite:
+        saved = saved_settings(out)
+        if saved is None:
             fail(f"--out {out} already holds files that are not an evaluation's; choose another --out or pass --overwrite")
-        saved = json.loads(saved_path.read_text())
+        if "regrade" in saved:
+            fail(f"--out {out} holds a regrade of {saved['regrade']}, not an evaluation of a model; choose another "
+                 f"--out or pass --overwrite")
         changed = sorted(k for k in settings if saved.get(k) != settings[k])
         if changed:
             fail(f"--out {out} holds an evaluation with other settings ({', '.join(f'--{k.replace(chr(95), chr(45))}' for k in changed)}); "
                  f"rerun with the same flags to continue it, choose another --out, or pass --overwrite")
         kept = evaluation.read_samples(str(samples_path), PROG, partial=True) if samples_path.exists() else []
+        foreign = [s for s in kept if s.get("settings") != stamp_of(settings)]
+        if foreign:
+            fail(f"{samples_path} holds {len(foreign)} records these settings did not make (the first: {foreign[0]['run']} "
+                 f"{foreign[0]['benchmark']} id {foreign[0]['id']}), which a continued evaluation would count as this "
+                 f"model's: choose another --out, or pass --overwrite to start afresh")
         counts = {}
         for s in kept:
             counts[s["run"], s["benchmark"], s["repeat"]] = counts.get((s["run"], s["benchmark"], s["repeat"]), 0) + 1
         kept = [s for s in kept if counts[s["run"], s["benchmark"], s["repeat"]] == sizes.get((s["run"], s["benchmark"]))]
     if dist.rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
         for name in ("samples.jsonl", "summary.json", "results.md"):
             if args.overwrite or not kept:
                 (out / name).unlink(missing_ok=True)
-        saved_path.write_text(json.dumps(settings, indent=1))
-        evaluation.write_jsonl(str(samples_path), kept)
+        runfolder.replace_file(str(saved_path), [json.dumps(settings, indent=1)])
+        evaluation.write_jsonl(str(samples_path), kept)  # aside, then renamed over it: a signal loses no record
     return dist.broadcast(kept)
+
+
+def prepare_regrade(args: EvalArgs):
+    """--out checked, then locked: a regrade writes samples.jsonl, summary.json and results.md there, so it never
+    writes into an evaluation of a model (which a later run with the same --out would continue, counting these
+    records as its own), or into anything else but an earlier regrade; --overwrite replaces what is there."""
+    out = Path(args.out)
+    if dist.rank() == 0 and held_files(out) and not args.overwrite:
+        saved = saved_settings(out) or {}
+        if "regrade" not in saved:
+            what = f"an evaluation of {saved['model']}" if "model" in saved else "files that are not a regrade's"
+            fail(f"--out {out} holds {what}, which the regrade's samples.jsonl would replace: give --out a new folder "
+                 f"(e.g. --out {out}-regraded), or pass --overwrite")
+    runfolder.lock(args.out, PROG)
+    if dist.rank() == 0:
+        runfolder.replace_file(str(out / "settings.json"), [json.dumps({"regrade": args.regrade, "grader": args.grader})])
 
 
 def start_sampler(args: EvalArgs, prompts: list[list[int]]):
@@ -194,60 +248,75 @@ def evaluate(args: EvalArgs) -> list[dict]:
     problems = {name: evaluation.load_benchmark(name, args.data_dir, args.limit, args.hub, PROG) for name in names}
     runs = protocol_runs(args, names)
     sizes = {(r["label"], name): len(problems[name]) * r["n"] for r in runs for name in names}
-    samples = prepare(args, sizes)
-    done = {(s["run"], s["benchmark"], s["repeat"]) for s in samples}
-    todo = [(r, name, repeat) for r in runs for name in names for repeat in range(r["repeats"][name])
-            if (r["label"], name, repeat) not in done]
-    if done:
-        run.say(f"continuing {args.out}: {len(done)} of {len(done) + len(todo)} runs of benchmarks already there", PROG)
-    if not todo:
-        return samples
+    # every prompt is built before --out is touched: a chat template that fails stops with one line, leaving nothing
     tokenizer = run.load_tokenizer(args.model, PROG)
     if not tokenizer.chat_template:
-        run.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text", PROG)
-    prompts = {name: [remix.build_prompt(tokenizer, p["problem"], args.prompt_suffix, args.system_prompt)
-                      for p in rows] for name, rows in problems.items()}
-    sampler = start_sampler(args, [p for ps in prompts.values() for p in ps])
-    try:
-        generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples)
+        messages.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text", PROG)
+    encode = data.template_guard(lambda problem: remix.build_prompt(tokenizer, problem, args.prompt_suffix,
+                                                                    args.system_prompt), args.model, PROG)
+    prompts = {name: [encode(p["problem"]) for p in rows] for name, rows in problems.items()}
+    longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
+    context, source = models.context_length(args.model, tokenizer) or (None, None)
+    if context is not None and longest + args.max_tokens > context:  # before --out is written
+        fail(f"{args.model} takes at most {context} tokens ({source}), and the longest prompt "
+             f"({longest} tokens) plus --max-tokens {args.max_tokens} is {longest + args.max_tokens}; "
+             + (f"lower --max-tokens to {context - longest}" if longest < context else "the prompt alone is too long"))
+    samples = None
+    try:  # a signal from here on: what --out keeps, and how to continue
+        samples = prepare(args, sizes)
+        done = {(s["run"], s["benchmark"], s["repeat"]) for s in samples}
+        todo = [(r, name, repeat) for r in runs for name in names for repeat in range(r["repeats"][name])
+                if (r["label"], name, repeat) not in done]
+        if done:
+            messages.say(f"continuing {args.out}: {len(done)} of {len(done) + len(todo)} runs of benchmarks already there", PROG)
+        if not todo:
+            return samples
+        sampler = start_sampler(args, [p for ps in prompts.values() for p in ps])
+        generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, stamp_of(settings_of(args)))
+        if args.sampler == "vllm":
+            from machinery import engines
+
+            engines.stop(sampler)  # before the process group goes (dist.finish): vLLM's shutdown uses it
     except BaseException as error:  # a signal, or what the code it landed in made of it
-        if not run.from_signal(error):
+        if not signals.from_signal(error):
             raise
-        raise run.Stopped(f"interrupted; the {len({(s['run'], s['benchmark'], s['repeat']) for s in samples})} "
-                          f"finished runs of benchmarks are in {args.out}/samples.jsonl: rerun the same command to "
-                          f"continue") from None
+        finished = "finished runs of benchmarks" if samples is None else \
+            f"{len({(s['run'], s['benchmark'], s['repeat']) for s in samples})} finished runs of benchmarks"
+        raise signals.Stopped(f"interrupted; the {finished} are in {args.out}/samples.jsonl: rerun the same command to "
+                              f"continue") from None
     return samples
 
 
-def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples):
+def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, stamp: str):
     for r, name, repeat in todo:
         start = time.perf_counter()
         generated = evaluation.generate(sampler, tokenizer, prompts[name], r["n"], r["temperature"], r["top_p"],
                                         args.max_tokens, args.seed + repeat, args.vllm_tp, args.batch_size)
         if dist.rank() == 0:
-            unit = evaluation.records(problems[name], generated, r["label"], repeat, args.seed + repeat)
-            evaluation.grade(remix, unit, args.workers, args.grade_timeout)
+            unit = [{**record, "settings": stamp} for record in
+                    evaluation.records(problems[name], generated, r["label"], repeat, args.seed + repeat)]
+            evaluation.grade(remix.METHOD, unit, args.workers, args.grade_timeout)
             evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), unit, mode="a")
             samples += unit
-            run.say(f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}: {len(unit)} samples in "
-                    f"{time.perf_counter() - start:.0f} s", PROG)
+            messages.say(f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}: {len(unit)} samples in "
+                         f"{time.perf_counter() - start:.0f} s", PROG)
 
 
 def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
-    run.catch_interrupts()
+    signals.catch_interrupts()
     dist.init()
     if args.curves:
         from machinery import curves
 
         return curves.draw(args.curves, args.out)
     if args.regrade:
-        run.check_ranges(args, RANGES, PROG)
+        flags.check_ranges(args, PROG)
         samples = evaluation.read_samples(args.regrade, PROG)
+        prepare_regrade(args)
         if dist.rank() == 0:
-            run.say(f"grading {len(samples)} responses with {args.workers} worker processes", PROG)
-            evaluation.grade(remix, samples, args.workers, args.grade_timeout)
-            os.makedirs(args.out, exist_ok=True)
+            messages.say(f"grading {len(samples)} responses with {args.workers} worker processes", PROG)
+            evaluation.grade(remix.METHOD, samples, args.workers, args.grade_timeout)
             evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), samples)
     else:
         check(args)
@@ -264,4 +333,4 @@ def main(args: EvalArgs) -> dict:
 
 
 if __name__ == "__main__":
-    run.main(lambda: main(tyro.cli(EvalArgs)), PROG)
+    run.main(lambda: main(run.cli(EvalArgs, PROG)), PROG)

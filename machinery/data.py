@@ -1,16 +1,21 @@
-"""Training problems from a local file or the hub, checked row by row where they come in, and the stream of prompts
-a run draws from. A reader of the method may skip this module: a problem is (problem text, gold answer).
+"""Training problems from a local file or the hub, checked row by row where they come in, the chat template's guard
+(one line for a template that raises or never ends), and the stream of prompts a run draws from. A reader of the
+method may skip this module: a problem is (problem text, gold answer).
 """
 
 import collections
 import json
 import math
 import os
+import signal
 import stat
+import sys
+import threading
 
 import numpy as np
 
-from machinery import run
+from machinery import flags
+from machinery.messages import fail, say
 
 Prompt = collections.namedtuple("Prompt", "ids answer position")  # position: problems consumed up to this one
 
@@ -41,12 +46,12 @@ def load_problems(path: str, problem_key: str, answer_key: str, prog: str = "rem
     row, or whose rows lack the columns, stops with one line."""
     rows = read_rows(path, prog) if path.endswith((".jsonl", ".json", ".parquet")) else load_hub_rows(path, prog=prog)
     if not rows:
-        run.fail(f"dataset {path!r} holds no rows", prog)
+        fail(f"dataset {path!r} holds no rows", prog)
     columns = sorted(rows[0])
     if any(key not in row for row in rows for key in (problem_key, answer_key)):
         missing = next(i for i, row in enumerate(rows, 1) if problem_key not in row or answer_key not in row)
-        run.fail(f"dataset {path!r}: row {missing} lacks {problem_key!r} or {answer_key!r} (the first row has the "
-                 f"columns {columns}); set --problem-key/--answer-key", prog)
+        fail(f"dataset {path!r}: row {missing} lacks {problem_key!r} or {answer_key!r} (the first row has the "
+             f"columns {columns}); set --problem-key/--answer-key", prog)
     problems, bad = [], []
     for number, row in enumerate(rows, 1):
         try:
@@ -55,10 +60,10 @@ def load_problems(path: str, problem_key: str, answer_key: str, prog: str = "rem
         except ValueError as error:
             bad.append(f"row {number}: {error}")
     if not problems:
-        run.fail(f"dataset {path!r} has no usable row ({bad[0]})", prog)
+        fail(f"dataset {path!r} has no usable row ({bad[0]})", prog)
     if bad:
-        run.say(f"dataset {path!r}: skipped {len(bad)} of {len(rows)} rows with an unusable problem or answer "
-                f"(first: {bad[0]})", prog)
+        say(f"dataset {path!r}: skipped {len(bad)} of {len(rows)} rows with an unusable problem or answer "
+            f"(first: {bad[0]})", prog)
     return problems
 
 
@@ -68,30 +73,30 @@ def read_rows(path: str, prog: str = "remix") -> list[dict]:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        run.fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id", prog)
+        fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id", prog)
     except OSError as error:
-        run.fail(f"cannot read dataset file {path!r}: {error.strerror}", prog)
+        fail(f"cannot read dataset file {path!r}: {error.strerror}", prog)
     if stat.S_ISDIR(mode):
-        run.fail(f"dataset {path!r} is a folder, not a file", prog)
+        fail(f"dataset {path!r} is a folder, not a file", prog)
     if not stat.S_ISREG(mode):
-        run.fail(f"dataset {path!r} is not a regular file", prog)
+        fail(f"dataset {path!r} is not a regular file", prog)
     if os.path.getsize(path) == 0:
-        run.fail(f"dataset file {path!r} is empty", prog)
+        fail(f"dataset file {path!r} is empty", prog)
     if path.endswith(".parquet"):
         try:
             import pandas as pd
 
             rows = pd.read_parquet(path).to_dict("records")
         except Exception as error:  # pyarrow's errors for a damaged file have no common type
-            run.fail(f"cannot read dataset {path!r} as parquet: {str(error).splitlines()[0]}", prog)
+            fail(f"cannot read dataset {path!r} as parquet: {str(error).splitlines()[0]}", prog)
         return rows
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as error:
-        run.fail(f"dataset {path!r} is not UTF-8 text (byte {error.start}: {error.reason})", prog)
+        fail(f"dataset {path!r} is not UTF-8 text (byte {error.start}: {error.reason})", prog)
     except OSError as error:
-        run.fail(f"cannot read dataset file {path!r}: {error.strerror}", prog)
+        fail(f"cannot read dataset file {path!r}: {error.strerror}", prog)
     return parse_rows(text, path, prog)
 
 
@@ -99,28 +104,58 @@ def parse_rows(text: str, path: str, prog: str = "remix") -> list[dict]:
     """JSON lines, or one JSON document holding a list of objects."""
     stripped = text.lstrip()
     if stripped.startswith("[") or _one_document(stripped):
-        try:
-            whole = json.loads(text)
-        except json.JSONDecodeError as error:
-            run.fail(f"dataset file {path!r} is not valid JSON: {error}", prog)
+        whole = _loads(text, path, "", prog)
         if isinstance(whole, dict):
-            run.fail(f"dataset {path!r} holds one JSON object, not rows: write one object per line (JSONL) or a "
-                     f"JSON list of objects", prog)
+            fail(f"dataset {path!r} holds one JSON object, not rows: write one object per line (JSONL) or a "
+                 f"JSON list of objects", prog)
         rows = whole
     else:
         rows = []
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    run.fail(f"cannot read dataset {path!r}: line {number} is not valid JSON ({error})", prog)
+                rows.append(_loads(line, path, f"line {number}", prog))
     if not isinstance(rows, list):
-        run.fail(f"dataset {path!r} holds a JSON {type(rows).__name__}, not a list of rows", prog)
+        fail(f"dataset {path!r} holds a JSON {type(rows).__name__}, not a list of rows", prog)
     for number, row in enumerate(rows, 1):
         if not isinstance(row, dict):
-            run.fail(f"dataset {path!r}: row {number} is a JSON {type(row).__name__}, not an object", prog)
+            fail(f"dataset {path!r}: row {number} is a JSON {type(row).__name__}, not an object", prog)
+        if _broken_text(row):
+            fail(f"dataset {path!r}: row {number} holds a lone surrogate (a \\ud800-\\udfff escape without its "
+                 f"pair), which is not Unicode text and no tokenizer takes: fix or drop that row", prog)
     return rows
+
+
+def _loads(text: str, path: str, where: str, prog: str):
+    """json.loads, with one line for each way Python refuses a text, `where` ('line 3') naming the place."""
+    at = f": {where}" if where else ""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        fail(f"dataset {path!r}{at} is not valid JSON ({error})", prog)
+    except ValueError:  # since Python 3.11 int() refuses more digits than this (quadratic time), json too
+        fail(f"dataset {path!r}{at} holds an integer of over {sys.get_int_max_str_digits()} digits, "
+             f"more than Python reads: write it as a string", prog)
+    except RecursionError:
+        fail(f"dataset {path!r}{at} nests lists or objects deeper than Python reads (about "
+             f"{sys.getrecursionlimit()} levels): flatten it or drop that row", prog)
+
+
+def _broken_text(row: dict) -> bool:
+    """Whether a string anywhere in a row (keys too) holds half of a UTF-16 pair, which JSON's \\ud800 escape
+    makes and UTF-8 cannot encode. A loop, not recursion: rows nest as deep as json.loads went."""
+    todo = [row]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            todo += [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            todo += value
+    return False
 
 
 def _one_document(text: str) -> bool:
@@ -132,11 +167,16 @@ def _one_document(text: str) -> bool:
         json.loads(first)
         return False  # its first line is an object of its own: JSON lines
     except json.JSONDecodeError:
-        try:
-            json.loads(text)
-            return True
-        except json.JSONDecodeError:
-            return False
+        pass  # an object over several lines, or broken JSON lines
+    except (ValueError, RecursionError):
+        return False  # a first line Python refuses (a huge integer, deep nesting): said with its line number
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    except (ValueError, RecursionError):
+        pass  # one document, valid JSON that Python refuses: parse_rows says why
+    return True
 
 
 def load_hub_rows(name: str, config: str | None = None, split: str = "train", prog: str = "remix") -> list[dict]:
@@ -146,7 +186,59 @@ def load_hub_rows(name: str, config: str | None = None, split: str = "train", pr
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as error:  # offline, unknown id, no such split: one line either way
         first = str(error).splitlines()[0] if str(error) else repr(error)
-        run.fail(f"cannot load dataset {name!r} from the hub: {first}{run.offline_hint()}", prog)
+        fail(f"cannot load dataset {name!r} from the hub: {first}{flags.offline_hint()}", prog)
+
+
+TEMPLATE_SECONDS = 5.0  # one prompt renders in milliseconds; a chat template still rendering after this never ends
+
+
+class _TemplateTimeout(BaseException):
+    """Raised by the alarm inside a render: not an Exception, so no `except Exception` on its way out keeps it."""
+
+
+def _raised_in_template(error: BaseException) -> bool:
+    """Whether an error came out of a chat template's own code: jinja's errors (syntax, raise_exception, an
+    undefined name, the sandbox refusing an attribute), or Python's raised in the template's lines ({{ 1/0 }},
+    {{ 1 + 'a' }}, a macro calling itself), whose frames jinja names '<template>'."""
+    import jinja2
+
+    trace = error.__traceback__
+    while trace is not None and trace.tb_frame.f_code.co_filename != "<template>":
+        trace = trace.tb_next
+    return isinstance(error, jinja2.TemplateError) or trace is not None
+
+
+def template_guard(encode, model: str, prog: str = "remix"):
+    """encode(problem) -> token ids, stopped with one line naming the model's chat template when the template
+    raises or renders for over TEMPLATE_SECONDS (jinja's sandbox bounds each range() to 100,000 items, not two
+    nested loops over them). The deadline is SIGALRM's, so it holds on the main thread only (where remix.py and
+    eval.py render); a template spinning in Python code is stopped there between two of its steps."""
+    fix = "fix or replace the chat_template in its tokenizer_config.json (or chat_template.jinja), or use another model"
+
+    def alarm(signum, frame):
+        raise _TemplateTimeout
+
+    def guarded(problem: str) -> list[int]:
+        timed = threading.current_thread() is threading.main_thread()
+        if timed:
+            previous = signal.signal(signal.SIGALRM, alarm)
+            signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+        try:
+            return encode(problem)
+        except _TemplateTimeout:
+            fail(f"the chat template of {model!r} rendered one prompt for over {TEMPLATE_SECONDS:g} s (a loop "
+                 f"without end?): {fix}", prog)
+        except Exception as error:
+            if not _raised_in_template(error):
+                raise
+            first = str(error).splitlines()[0][:200] if str(error) else ""
+            fail(f"the chat template of {model!r} fails ({type(error).__name__}: {first}): {fix}", prog)
+        finally:
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+
+    return guarded
 
 
 def first_fitting_prompt(problems: list[tuple[str, str]], encode, max_prompt_tokens: int) -> int:
@@ -155,8 +247,8 @@ def first_fitting_prompt(problems: list[tuple[str, str]], encode, max_prompt_tok
     for index, (problem, _) in enumerate(problems):
         if len(encode(problem)) <= max_prompt_tokens:
             return index
-    run.fail(f"every prompt is longer than --max-prompt-tokens {max_prompt_tokens} (the shortest problem's prompt "
-             f"has {min(len(encode(p)) for p, _ in problems[:2000])} tokens): raise --max-prompt-tokens")
+    fail(f"every prompt is longer than --max-prompt-tokens {max_prompt_tokens} (the shortest problem's prompt "
+         f"has {min(len(encode(p)) for p, _ in problems[:2000])} tokens): raise --max-prompt-tokens")
 
 
 def prompt_stream(problems: list[tuple[str, str]], encode, max_prompt_tokens: int, seed: int, position: int = 0):

@@ -49,8 +49,8 @@ def _worker_main():
     out = os.dup(1)
     os.dup2(2, 1)  # prints of the task go to stderr, never into the protocol
     warm = _recv(0)
-    if warm:
-        getattr(importlib.import_module(warm[0]), warm[1])(*warm[2])
+    if warm:  # (folder, module, name) of the warm-up function, and its arguments
+        resolve(warm[:3])(*warm[3])
     _send(out, "ready")
     while True:
         try:
@@ -59,13 +59,28 @@ def _worker_main():
             return
         if folder not in sys.path:
             sys.path.insert(0, folder)
-        if module not in sys.modules:  # a first import is no part of the task's time: the parent restarts its clock
+        if module not in sys.modules:  # a first import is no part of the task's time: the parent stops its clock
+            _send(out, "importing")
             importlib.import_module(module)
             _send(out, "imported")
         try:
             _send(out, ("ok", getattr(importlib.import_module(module), name)(*args)))
         except Exception as error:  # the caller decides; the worker lives on
             _send(out, ("error", f"{type(error).__name__}: {error}"))
+
+
+def reference(fn) -> tuple[str, str, str]:
+    """How a worker finds fn when a task is handed it as an argument (the method's answer check, say): its folder,
+    module and name, as resolve() takes them."""
+    return _importable(fn)
+
+
+def resolve(ref: tuple[str, str, str]):
+    """The function a reference() names, imported in this process (a worker: the folder first on sys.path)."""
+    folder, module, name = ref
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return getattr(importlib.import_module(module), name)
 
 
 def _importable(fn) -> tuple[str, str, str]:
@@ -86,13 +101,14 @@ def _importable(fn) -> tuple[str, str, str]:
 class _Worker:
     def __init__(self, fn, warm, warm_args):
         folder = _importable(fn)[0]
-        # the function's own folder first, before the working directory: a fork run from a folder that holds
-        # another remix.py must grade with its own reward
+        # the function's own folder first: a fork run from a folder that holds another remix.py must grade with its
+        # own reward. -P keeps the working directory off sys.path (python -c puts it first), so a tyro.py, sympy.py
+        # or select.py in the folder the user runs from (a downloaded model's, say) is never imported and run
         start = f"import sys; sys.path[:0] = {[folder, HERE]!r}; from machinery import grader; grader._worker_main()"
-        self.proc = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.getcwd())
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", start], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.getcwd())
         self.write, self.read = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        _send(self.write, (*_importable(warm)[1:], warm_args) if warm else None)
+        _send(self.write, (*_importable(warm), warm_args) if warm else None)  # found from its own folder
         self.task, self.started, self.ready = None, 0.0, False
 
     def kill(self):
@@ -104,6 +120,7 @@ class _Worker:
 
 
 _pool: list[_Worker] = []
+IMPORT_SECONDS = 300.0  # a worker's first import of a task's module (sympy, math-verify: seconds on a busy machine)
 
 
 def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout, warm=None, warm_args=()):
@@ -135,8 +152,12 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
                 if message in ("ready", "imported"):  # imports never count against a deadline
                     worker.ready, worker.started = True, time.monotonic()
                     continue
+                if message == "importing":  # the task's clock waits for the import, which has a bound of its own
+                    worker.started = time.monotonic() + IMPORT_SECONDS
+                    continue
                 status, value = message
-                if status == "error":
+                if status == "error":  # the pool goes with it: no task of this call is left to answer the next
+                    close_pool()
                     raise RuntimeError(f"{fn.__name__} failed in a worker process: {value}")
                 results[worker.task], worker.task, done = value, None, done + 1
             elif worker.task is not None and time.monotonic() - worker.started >= timeout:

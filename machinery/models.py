@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from machinery import dist, run
+from machinery import dist, flags
+from machinery.messages import fail, say
 
 LOGPROB_CHUNK = 1024  # response tokens per slice of the output layer: a [1024, vocab] fp32 block is its peak
 
@@ -34,15 +35,20 @@ def load(args, checkpoint: str | None = None):
         without_dropout(model)  # updates run in training mode (Decision 12)
         return dist.shard(model, device, dtype)
 
+    from safetensors import SafetensorError
+
     source = checkpoint or args.model
     try:
-        policy = trainable(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32))
-    except (OSError, ValueError) as error:  # a folder without a model, a damaged or refused weights file
-        run.fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{run.offline_hint()}")
+        policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    except (OSError, ValueError, SafetensorError) as error:  # a folder without a model, a damaged or refused file
+        fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{flags.offline_hint()}")
+    policy = trainable(savable_generation_config(policy))
     reincarnated = checkpoint and os.path.isdir(os.path.join(checkpoint, "reference"))
-    reference = None if args.kl_beta == 0 else dist.shard(AutoModelForCausalLM.from_pretrained(
-        os.path.join(checkpoint, "reference") if reincarnated else args.model, dtype=dtype).eval().requires_grad_(False),
-        device, dtype)
+    reference = None
+    if args.kl_beta != 0:
+        frozen = AutoModelForCausalLM.from_pretrained(os.path.join(checkpoint, "reference") if reincarnated
+                                                      else args.model, dtype=dtype)
+        reference = dist.shard(savable_generation_config(frozen, quiet=True).eval().requires_grad_(False), device, dtype)
     critic = None
     if args.algo == "ppo":  # the paper's critic: the base model with a scalar head
         critic_source = os.path.join(checkpoint, "critic") if checkpoint else args.model
@@ -53,8 +59,61 @@ def load(args, checkpoint: str | None = None):
                                                                            dtype=torch.float32))
         transformers.logging.set_verbosity(verbosity)
         if not checkpoint:
-            run.say("critic: the base model with a new scalar value head (score.*), initialised at random")
+            say("critic: the base model with a new scalar value head (score.*), initialised at random")
     return policy, reference, critic
+
+
+def savable_generation_config(model, quiet: bool = False):
+    """The model, with a generation config its checkpoints can save. Many hub models set temperature or top_p in
+    generation_config.json without do_sample: transformers loads that with a warning but refuses to save it, so
+    every checkpoint would fail. Those values are the authors' sampling settings, and vLLM (which loads the
+    checkpoints) applies them whatever do_sample says, so they are kept and do_sample is set. Anything else
+    transformers would refuse stops the run here, before step 1, in one line."""
+    config = model.generation_config
+    try:
+        config.validate(strict=True)
+        return model
+    except ValueError:
+        config.do_sample = True
+    try:
+        config.validate(strict=True)
+    except ValueError as error:
+        fail(f"{model.name_or_path}: its generation_config.json could not be saved with a checkpoint "
+             f"({' '.join(str(error).split())[:300]}); fix it")
+    if not quiet:
+        say(f"{model.name_or_path}: generation_config.json sets sampling values without do_sample; checkpoints "
+            f"save it with do_sample true")
+    return model
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len")  # the config fields vLLM reads a model's context from, smallest wins
+
+
+def context_length(source: str, tokenizer) -> tuple[int, str] | None:
+    """The longest sequence (prompt plus response) a model takes, as vLLM derives it, and where that comes from: the
+    smallest of its config's context fields, scaled by a linear or dynamic RoPE factor (YaRN's and Llama 3's fields
+    are already scaled), at most the tokenizer's model_max_length. None when the config names no length."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source).get_text_config()
+    except (OSError, ValueError):  # loading the model names what is wrong
+        return None
+    lengths = sorted((getattr(config, key), key) for key in CONTEXT_KEYS if isinstance(getattr(config, key, None), int))
+    if not lengths:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    factor = rope.get("factor") if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (
+        None, "default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling") else None
+    length, key = lengths[0]
+    if isinstance(factor, (int, float)) and factor > 1:
+        length, key = int(length * factor), f"{key} in config.json times its RoPE factor {factor:g}"
+    else:
+        key = f"{key} in config.json"
+    if tokenizer.model_max_length < length:
+        return tokenizer.model_max_length, "model_max_length in tokenizer_config.json"
+    return length, key
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -94,3 +94,25 @@ def tiny_cli(model, data, out, *extra) -> list[str]:
     return ["--model", model, "--dataset", data, "--out", str(out), "--sampler", "hf", "--algo", "grpo",
             "--prompts-per-step", "4", "--group-size", "2", "--max-response-tokens", "8", "--eval-every", "0",
             "--seed", "5", *extra]
+
+
+def two_step_ppo_run(model, data, root, keep_last: int):
+    """A two-step PPO run (a critic, two optimizers) from the command line, with a checkpoint after each step."""
+    out = root / "run"
+    done = run_remix(*tiny_cli(model, data, out, "--algo", "ppo", "--group-size", "1", "--steps", "2",
+                               "--save-every", "1", "--keep-last", str(keep_last)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def bad_values(bound: str, integer: bool) -> list:
+    """Values just outside a range written as '>= 1', '> 0', 'in [0, 1)', ...; NaN and inf for floats."""
+    values = [] if integer else [float("nan"), float("inf")]
+    if bound.startswith(">"):
+        lo = float(bound.lstrip(">= "))
+        values.append(int(lo) - 1 if integer else (lo - 0.5 if bound.startswith(">=") else lo))
+    else:
+        lo, hi = (float(x) for x in bound[4:-1].split(","))
+        values += [int(lo) - 1, int(hi) + 1] if integer else [
+            lo - 0.1 if bound[3] == "[" else lo, hi + 0.1 if bound[-1] == "]" else hi]
+    return values

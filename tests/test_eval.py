@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
+import remix  # noqa: E402
 from machinery import evaluation  # noqa: E402
 from tests.common import BENCH, ROOT  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
@@ -49,7 +50,7 @@ def test_grader_on_every_benchmark_answer():
     for i, p in enumerate(problems):
         template = RESPONSES[i % 3]
         items += [(template % p["answers"][0], p["answers"]), (template % wrong_version(p["answers"][0]), p["answers"])]
-    grades = evaluation.grade_many(items, workers=2, timeout=30)
+    grades = evaluation.grade_many(remix.METHOD, items, workers=2, timeout=30)
     right = [g[0] == 1.0 for g in grades[0::2]]
     wrong = [g[0] == 0.0 for g in grades[1::2]]
     misses = [(p["benchmark"], p["id"], p["answers"][0]) for p, ok in zip(problems, right) if not ok]
@@ -63,7 +64,7 @@ def test_grader_on_every_benchmark_answer():
 def test_grade_many_survives_a_hanging_answer():
     # 10^(10^(10^10)) hangs inside C code where math-verify's alarm cannot fire; only the pool's limit stops it
     items = [("\\boxed{10^{10^{10^{10}}}}", ["1"]), ("\\boxed{1}", ["1"]), ("\\boxed{2}", ["1"])]
-    assert evaluation.grade_many(items, workers=1, timeout=4) == [(0.0, "timeout"), (1.0, "ok"), (0.0, "ok")]
+    assert evaluation.grade_many(remix.METHOD, items, workers=1, timeout=4) == [(0.0, "timeout"), (1.0, "ok"), (0.0, "ok")]
 
 
 @pytest.mark.parametrize("n", range(1, 7))

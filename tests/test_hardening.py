@@ -25,8 +25,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from machinery import data, engines, run  # noqa: E402
-from tests.common import ROOT, one_error_line, read_metrics, run_remix, tiny_args, tiny_cli  # noqa: E402
+from machinery import data, engines, evaluation, flags  # noqa: E402
+from tests.common import (ROOT, bad_values, one_error_line, read_metrics, run_remix, tiny_args,  # noqa: E402
+                          tiny_cli, two_step_ppo_run)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,21 +41,28 @@ def field_docstrings(path: Path, cls: str) -> dict:
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
-def bad_values(bound: str, integer: bool) -> list:
-    """Values just outside a range written as '>= 1', '> 0', 'in [0, 1)', ...; NaN and inf for floats."""
-    values = [] if integer else [float("nan"), float("inf")]
-    if bound.startswith(">"):
-        lo = float(bound.lstrip(">= "))
-        values.append(int(lo) - 1 if integer else (lo - 0.5 if bound.startswith(">=") else lo))
-    else:
-        lo, hi = (float(x) for x in bound[4:-1].split(","))
-        values += [int(lo) - 1, int(hi) + 1] if integer else [
-            lo - 0.1 if bound[3] == "[" else lo, hi + 0.1 if bound[-1] == "]" else hi]
-    return values
+# the ranges the docstrings state, written out again here as the reference
+REMIX_RANGES = {
+    "steps": ">= 1", "prompts_per_step": ">= 1", "group_size": ">= 1", "off_policy_p": "in [0, 1)", "window": ">= 1",
+    "utd": ">= 1", "reincarnate_step": ">= 0", "kl_convex_start": ">= 0", "kl_convex_every": ">= 1",
+    "kl_beta": ">= 0", "ent_coef": ">= 0", "clip_eps": "in (0, 1)", "value_clip": "> 0", "vtrace_c_bar": "> 0",
+    "gamma": "in (0, 1]", "gae_lambda": "in [0, 1]", "actor_lr": "> 0", "critic_lr": "> 0", "weight_decay": ">= 0",
+    "max_grad_norm": "> 0", "mini_batch_prompts": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]",
+    "max_prompt_tokens": ">= 1", "max_response_tokens": ">= 1", "sampler_is_cap": "> 0",
+    "max_tokens_per_micro_batch": ">= 1", "vllm_gpu_memory_utilization": "in (0, 1)", "vllm_tp": ">= 1",
+    "grader_workers": ">= 1", "grade_timeout": "> 0", "seed": "in [0, 2147483647]", "dist_timeout": "> 0",
+    "save_every": ">= 0", "keep_last": ">= 0", "eval_every": ">= 0", "eval_limit": ">= 1", "eval_max_tokens": ">= 1",
+    "log_completions": ">= 0"}
+EVAL_RANGES = {"n": ">= 1", "temperature": ">= 0", "top_p": "in (0, 1]", "max_tokens": ">= 1", "vllm_tp": ">= 1",
+               "vllm_gpu_memory_utilization": "in (0, 1)", "limit": ">= 1", "workers": ">= 1", "grade_timeout": "> 0",
+               "seed": "in [0, 2147483647]", "batch_size": ">= 1"}
 
 
-@pytest.mark.parametrize("program, cls, ranges", [("remix.py", "Args", run.RANGES), ("eval.py", "EvalArgs", eval_cli.RANGES)])
-def test_every_numeric_flag_has_a_range_stated_in_its_help(program, cls, ranges):
+@pytest.mark.parametrize("program, cls, reference", [("remix.py", "Args", REMIX_RANGES),
+                                                     ("eval.py", "EvalArgs", EVAL_RANGES)])
+def test_every_numeric_flag_has_the_range_its_help_states(program, cls, reference):
+    """flags.ranges reads each numeric field's range from its docstring: every field of the reference table has
+    that range (a fork's new numeric flag has one too, or ranges() refuses it: the next test)."""
     import dataclasses
     import typing
 
@@ -62,14 +70,31 @@ def test_every_numeric_flag_has_a_range_stated_in_its_help(program, cls, ranges)
     hints = typing.get_type_hints(target)
     numeric = {f.name for f in dataclasses.fields(target)
                if {int, float} & set(typing.get_args(hints[f.name]) or (hints[f.name],)) - {bool}}
-    assert numeric == set(ranges), f"numeric flags without a range: {numeric - set(ranges)}; ranges of no flag: " \
-                                   f"{set(ranges) - numeric}"
+    found = flags.ranges(target)
+    assert set(found) == numeric and reference.items() <= found.items(), (set(reference) ^ set(found))
     docs = field_docstrings(ROOT / program, cls)
-    for name, bound in ranges.items():
+    for name, bound in found.items():
         assert bound in docs[name], f"--{name}'s help does not say {bound!r}: {docs[name]!r}"
 
 
-@pytest.mark.parametrize("name, bound", list(run.RANGES.items()))
+def test_a_numeric_flag_without_a_range_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "forked_flags.py").write_text(
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass Args:\n    steps: int = 3\n"
+        '    """>= 1: steps"""\n    clip_eps_high: float = 0.28\n    """the upper clip (DAPO)"""\n'
+        '    name: str = "x"\n    """no range: not a number"""\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import forked_flags
+
+    with pytest.raises(SystemExit) as exit_info:
+        flags.ranges(forked_flags.Args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "--clip-eps-high of Args" in err[0] \
+        and "states no range" in err[0], err
+    assert flags.within(0.0, "in [0, 1)") and not flags.within(1.0, "in [0, 1)") and flags.within(1.0, "in (0, 1]")
+    assert not flags.within(0, "> 0") and flags.within(0, ">= 0") and not flags.within(float("nan"), ">= 0")
+
+
+@pytest.mark.parametrize("name, bound", list(flags.ranges(remix.Args).items()))
 def test_each_bad_value_of_a_remix_flag_gets_one_line_and_writes_nothing(name, bound, tiny_model, train_file,
                                                                          tmp_path, capsys):
     import typing
@@ -85,7 +110,7 @@ def test_each_bad_value_of_a_remix_flag_gets_one_line_and_writes_nothing(name, b
         assert not out.exists()
 
 
-@pytest.mark.parametrize("name, bound", list(eval_cli.RANGES.items()))
+@pytest.mark.parametrize("name, bound", list(flags.ranges(eval_cli.EvalArgs).items()))
 def test_each_bad_value_of_an_eval_flag_gets_one_line(name, bound, tiny_model, tmp_path, capsys):
     import typing
 
@@ -101,8 +126,8 @@ def test_each_bad_value_of_an_eval_flag_gets_one_line(name, bound, tiny_model, t
 
 def test_track_without_wandb_installed_gets_one_line_and_writes_nothing(tiny_model, train_file, tmp_path, capsys,
                                                                         monkeypatch):
-    real = run.importlib.util.find_spec
-    monkeypatch.setattr(run.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    real = flags.importlib.util.find_spec
+    monkeypatch.setattr(flags.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(SystemExit) as exit_info:
         remix.train(tiny_args(tiny_model, train_file, tmp_path / "out", track=True))
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
@@ -122,11 +147,11 @@ def test_answers_of_any_stored_type_grade_alike_and_unusable_rows_are_skipped_wi
     assert data.load_problems(str(path), "problem", "answer") == [("a", "5"), ("b", "5"), ("c", "5")]
     out = capsys.readouterr().out
     assert "skipped 6 of 9 rows" in out and "row 4" in out
-    assert remix.math_reward("so \\boxed{5}", 5) == remix.math_reward("so \\boxed{5}", "5") == 1.0
-    assert remix.math_reward("\\boxed{None}", "5") == 0.0
+    assert evaluation.math_reward(remix.METHOD, "so \\boxed{5}", 5) == evaluation.math_reward(remix.METHOD, "so \\boxed{5}", "5") == 1.0
+    assert evaluation.math_reward(remix.METHOD, "\\boxed{None}", "5") == 0.0
     for bad in (None, "", ["5"], True, float("nan")):
         with pytest.raises(ValueError, match="must be a non-empty string or a number"):
-            remix.math_reward("\\boxed{5}", bad)
+            evaluation.math_reward(remix.METHOD, "\\boxed{5}", bad)
 
 
 def test_a_regrade_never_iterates_a_string_answer(tmp_path):
@@ -197,6 +222,7 @@ def test_an_out_inside_a_run_or_under_a_file_is_refused_before_the_model_loads(t
     assert "which is a file, not a folder" in capsys.readouterr().err
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_runs_on_one_folder_cannot_both_start(tiny_model, train_file, tmp_path):
     out = tmp_path / "run"
@@ -236,11 +262,7 @@ class Payload:
 @pytest.fixture(scope="module")
 def finished_run(tiny_model, train_file, tmp_path_factory):
     """A two-step PPO run with a checkpoint after each step (PPO: a critic folder too)."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    done = run_remix(*tiny_cli(tiny_model, train_file, out, "--algo", "ppo", "--group-size", "1", "--steps", "2",
-                               "--save-every", "1", "--keep-last", "0"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
+    return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("finished"), keep_last=0)
 
 
 def plant(folder: Path, name: str, marker: Path):
@@ -264,6 +286,7 @@ def plant(folder: Path, name: str, marker: Path):
         (checkpoint / "evil.py").write_text(f"import os\nos.system('touch {marker}')\n")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["trainer_state.pt", "optim/rank-0.pt", "model.safetensors", "critic/model.safetensors",
                                   "tokenizer_config.json", "config.json"])
@@ -283,6 +306,7 @@ def test_a_payload_planted_in_any_file_a_resume_reads_never_runs(name, finished_
         assert done.returncode in (0, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated-weights", "truncated-state", "missing-optim", "partial-metrics"])
 def test_damaged_files_are_named_and_the_previous_checkpoint_resumes(damage, finished_run, tmp_path):
@@ -311,6 +335,7 @@ def test_damaged_files_are_named_and_the_previous_checkpoint_resumes(damage, fin
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_ends_in_one_line_and_keeps_the_earlier_ones(finished_run, tmp_path):
     """A real write failure: the resumed process may write no file larger than 300 kB (RLIMIT_FSIZE, SIGXFSZ
@@ -337,6 +362,7 @@ def test_a_full_disk_during_a_checkpoint_ends_in_one_line_and_keeps_the_earlier_
 # ----------------------------------------------------------------------------------------------
 # Signals: one line from the first instant, and the signal's exit code
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("program", ["remix.py", "eval.py"])
 def test_ctrl_c_while_torch_imports_ends_in_one_line(program, tmp_path):
@@ -349,6 +375,7 @@ def test_ctrl_c_while_torch_imports_ends_in_one_line(program, tmp_path):
     assert proc.returncode == 130 and len(lines) == 1 and "interrupted while starting" in lines[0], err[-2000:]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, code, name", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
                                                  (signal.SIGHUP, 129, "hung up (SIGHUP)")])
@@ -375,6 +402,7 @@ def test_sigterm_and_sighup_end_a_run_with_one_line(signum, code, name, tiny_mod
 EVAL_FLAGS = ["--benchmarks", "aime24", "amc83", "math500", "--limit", "2", "--max-tokens", "6", "--sampler", "hf"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_an_interrupted_eval_keeps_what_it_finished_and_continues(tiny_model, tmp_path):
     straight = run_remix("--model", tiny_model, "--out", str(tmp_path / "straight"), *EVAL_FLAGS, program="eval.py")
@@ -421,6 +449,7 @@ def test_eval_refuses_a_model_folder_without_weights_and_a_broken_benchmark(tmp_
 # ----------------------------------------------------------------------------------------------
 # The GPU review, where a CPU shows it: the engine in this process, every weight pushed, the trainer's threads
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_engine_runs_in_process_and_a_push_that_misses_a_weight_stops_the_run(tiny_model, monkeypatch, capsys):
     from machinery import dist
@@ -434,12 +463,12 @@ def test_the_engine_runs_in_process_and_a_push_that_misses_a_weight_stops_the_ru
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model)
-    engines.push_weights(llm, policy, sleep=False)  # every weight: no complaint
+    engines.push_weights(llm, policy)  # every weight: no complaint
     capsys.readouterr()
     real = dist.full_tensors
     monkeypatch.setattr(dist, "full_tensors", lambda model: ((n, t) for n, t in real(model) if "layers.1.mlp" not in n))
     with pytest.raises(SystemExit):
-        engines.push_weights(llm, policy, sleep=False)
+        engines.push_weights(llm, policy)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "left some of the engine's weights unset" in err[0] and "layers.1.mlp" in err[0]
 

@@ -1,0 +1,344 @@
+"""Checkpoints and model folders that are not what they seem: a kill while --keep-last prunes, a copy of a checkpoint
+under a newer name, a checkpoint folder that is a symbolic link, a trainer state or optimizer shard that the safe
+loader accepts but whose content is wrong, a FIFO where a file should be, a truncated base model, a model whose
+context is shorter than the run needs, and a hub generation config that transformers refuses to save.
+
+    pytest -q tests/test_checkpoint_safety.py
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import eval as eval_cli  # noqa: E402
+import remix  # noqa: E402
+from machinery import checkpoints, runfolder  # noqa: E402
+from tests.common import (ROOT, one_error_line, read_metrics, run_remix, tiny_args, tiny_cli,  # noqa: E402
+                          two_step_ppo_run)
+
+DEFAULTS = dataclasses.asdict(remix.Args())
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_model, train_file, tmp_path_factory):
+    """A two-step PPO run (a critic, two optimizers) with a checkpoint after each step, keeping the last 2."""
+    return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("finished"), keep_last=2)
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(folder, out, symlinks=True)
+    return out
+
+
+def save(out: Path, step: int, keep_last: int) -> str:
+    """checkpoints.save as a run calls it, without models: a trainer state and an optimizer file of that step."""
+    return checkpoints.save(str(out), step, {}, None, {}, {"progress": {"step": step}}, keep_last)
+
+
+def entries(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir())
+
+
+# ----------------------------------------------------------------------------------------------
+# --keep-last: crash-safe, and only ever older checkpoints than the new one
+# ----------------------------------------------------------------------------------------------
+def test_a_kill_while_pruning_leaves_nothing_that_the_next_save_does_not_delete(tmp_path, monkeypatch):
+    """The kill lands in the middle of deleting checkpoint-1, after its trainer_state.pt is gone: the next save
+    deletes what is left. A checkpoint-0 without a trainer state (what such a kill left before) goes too."""
+    out = tmp_path / "run"
+    save(out, 1, keep_last=1)
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):
+        if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+            return real_rmtree(path, *args, **kwargs)
+        os.remove(os.path.join(path, "trainer_state.pt"))  # the first file the delete reached
+        raise KeyboardInterrupt  # the process dies here
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save(out, 2, keep_last=1)
+    monkeypatch.undo()
+    (out / "checkpoint-0").mkdir()
+    (out / "checkpoint-0" / "model.safetensors").write_bytes(b"weights without a trainer state")
+    save(out, 3, keep_last=1)
+    assert entries(out) == ["checkpoint-3"]
+
+
+def test_keep_last_never_deletes_the_new_checkpoint_nor_a_folder_named_newer(tmp_path):
+    out = tmp_path / "run"
+    save(out, 1, keep_last=1)
+    shutil.copytree(out / "checkpoint-1", out / "checkpoint-999999999999")  # an old checkpoint under a big name
+    save(out, 2, keep_last=1)
+    assert entries(out) == ["checkpoint-2", "checkpoint-999999999999"]
+    save(out, 3, keep_last=2)
+    assert entries(out) == ["checkpoint-2", "checkpoint-3", "checkpoint-999999999999"]
+
+
+def test_a_checkpoint_name_that_is_a_link_is_replaced_in_one_line_and_its_target_kept(tmp_path, capsys):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    save(out, 1, keep_last=0)
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    (out / "checkpoint-2").symlink_to(elsewhere, target_is_directory=True)
+    capsys.readouterr()
+    save(out, 2, keep_last=0)
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and "checkpoint-2 was a symbolic link" in said[0], said
+    assert not (out / "checkpoint-2").is_symlink() and (out / "checkpoint-2" / "trainer_state.pt").is_file()
+    assert entries(elsewhere) == ["notes.txt"] and entries(out) == ["checkpoint-1", "checkpoint-2"]
+    (out / "checkpoint-3").symlink_to(elsewhere, target_is_directory=True)  # --overwrite removes the link only
+    runfolder.prepare_out(str(out), overwrite=True)
+    assert entries(out) == [] and entries(elsewhere) == ["notes.txt"]
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_resume_skips_a_misnamed_copy_and_a_link_in_one_line_each_and_clears_leftovers(finished, tmp_path):
+    """checkpoint-999999999999 holds step 1 and checkpoint-5 is a link: each is named and skipped, the run resumes
+    from checkpoint-2, and its save at step 3 prunes checkpoint-1 (--keep-last 2) but neither of them."""
+    out, elsewhere = copy_of(finished, tmp_path), tmp_path / "elsewhere"
+    shutil.copytree(out / "checkpoint-1", out / "checkpoint-999999999999")
+    shutil.copytree(out / "checkpoint-2", elsewhere)
+    (out / "checkpoint-5").symlink_to(elsewhere, target_is_directory=True)
+    for leftover in (".trash-checkpoint-0", ".tmp-checkpoint-7"):  # what a killed prune and a killed save leave
+        (out / leftover).mkdir()
+        (out / leftover / "model.safetensors").write_bytes(b"half")
+    done = run_remix("--resume", str(out), "--steps", "3")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "checkpoint-999999999999/trainer_state.pt holds step 1, but its folder is named" in done.stdout
+    assert f"{out / 'checkpoint-5'} is a symbolic link" in done.stdout
+    assert f"resuming {out} after step 2 from {out / 'checkpoint-2'}" in done.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert [p for p in entries(out) if "checkpoint" in p] == ["checkpoint-2", "checkpoint-3", "checkpoint-5",
+                                                              "checkpoint-999999999999"]
+    assert (out / "checkpoint-5").is_symlink() and (elsewhere / "trainer_state.pt").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# Content the safe loader accepts but a resume cannot use: named, and the previous checkpoint resumes
+# ----------------------------------------------------------------------------------------------
+def edit_state(checkpoint: Path, edit, name: str = "trainer_state.pt"):
+    state = torch.load(checkpoint / name, weights_only=True)
+    edit(state)
+    torch.save(state, checkpoint / name)
+
+
+def first_sample(state: dict) -> dict:
+    return state["replay"][0][0][0]
+
+
+def edit_config(checkpoint: Path, **changes):
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+DAMAGES = {  # what is changed, and the file the line must name
+    "missing-field": (lambda c: edit_state(c, lambda s: s["progress"].pop("data_position")), "trainer_state.pt"),
+    "mistyped-progress": (lambda c: edit_state(c, lambda s: s["progress"].update(tokens="32")), "trainer_state.pt"),
+    "mistyped-argument": (lambda c: edit_state(c, lambda s: s["args"].update(actor_lr="fast")), "trainer_state.pt"),
+    "no-arguments": (lambda c: edit_state(c, lambda s: s.pop("args")), "trainer_state.pt"),
+    "bad-torch-rng": (lambda c: edit_state(c, lambda s: s["rng"].update(torch=torch.zeros(7, dtype=torch.uint8))),
+                      "trainer_state.pt"),
+    "bad-python-rng": (lambda c: edit_state(c, lambda s: s["rng"].update(python=(3, (1, 2), None))),
+                       "trainer_state.pt"),
+    "replay-vector-too-short": (lambda c: edit_state(
+        c, lambda s: first_sample(s).update(behaviour_logp=torch.zeros(3))), "trainer_state.pt"),
+    "replay-token-outside-vocabulary": (lambda c: edit_state(c, lambda s: first_sample(s)["response_ids"].__setitem__(
+        0, 10**6)), "trainer_state.pt"),
+    "replay-sample-without-reward": (lambda c: edit_state(c, lambda s: first_sample(s).pop("reward")),
+                                     "trainer_state.pt"),
+    "replay-junk": (lambda c: edit_state(c, lambda s: s["replay"][0].append("junk")), "trainer_state.pt"),
+    "optimizer-moment-shape": (lambda c: edit_state(
+        c, lambda o: o["policy"]["state"][0].update(exp_avg=torch.zeros(5, 5)), "optim/rank-0.pt"), "optim/rank-0.pt"),
+    "optimizer-without-critic": (lambda c: edit_state(c, lambda o: o.pop("critic"), "optim/rank-0.pt"),
+                                 "optim/rank-0.pt"),
+    "optimizer-lr-a-string": (lambda c: edit_state(
+        c, lambda o: o["critic"]["param_groups"][0].update(lr="1e-6"), "optim/rank-0.pt"), "optim/rank-0.pt"),
+    "vocabulary-changed": (lambda c: edit_config(c, vocab_size=300), "config.json"),
+    "critic-hidden-size-changed": (lambda c: edit_config(c / "critic", hidden_size=64), "critic/config.json"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_wrong_content_in_the_newest_checkpoint_is_named_and_the_previous_one_resumes(damage, finished, tmp_path,
+                                                                                       capsys):
+    out = copy_of(finished, tmp_path)
+    change, named = DAMAGES[damage]
+    change(out / "checkpoint-2")
+    folder, state, optim = checkpoints.latest(str(out), DEFAULTS)
+    said = capsys.readouterr().out.strip().splitlines()
+    assert folder == str(out / "checkpoint-1") and state["progress"]["step"] == 1 and optim, said
+    assert len(said) == 1 and str(out / "checkpoint-2" / named) in said[0], said
+    assert said[0].endswith(f"resuming from {out / 'checkpoint-1'} instead")
+
+
+def test_when_no_checkpoint_is_left_the_resume_stops_in_one_line(finished, tmp_path, capsys):
+    out = copy_of(finished, tmp_path)
+    DAMAGES["replay-vector-too-short"][0](out / "checkpoint-2")
+    DAMAGES["bad-torch-rng"][0](out / "checkpoint-1")
+    with pytest.raises(SystemExit) as exit_info:
+        checkpoints.latest(str(out), DEFAULTS)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "no checkpoint can be read" in err[0], err
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_resume_past_an_optimizer_of_the_wrong_shape_completes_from_the_previous_checkpoint(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    DAMAGES["optimizer-moment-shape"][0](out / "checkpoint-2")
+    done = run_remix("--resume", str(out), "--steps", "3")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-1'} instead" in done.stdout and "after step 1" in done.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# Nothing in a folder blocks: a FIFO is named, never opened
+# ----------------------------------------------------------------------------------------------
+def fifo_in_place_of(path: Path):
+    path.unlink()
+    os.mkfifo(path)
+
+
+LATEST = "import sys; from machinery import checkpoints; print(checkpoints.latest(sys.argv[1])[0])"
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["model.safetensors", "critic/config.json", "optim/rank-0.pt", "trainer_state.pt"])
+def test_a_fifo_in_the_newest_checkpoint_is_named_and_the_previous_one_used(name, finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    fifo_in_place_of(out / "checkpoint-2" / name)
+    done = subprocess.run([sys.executable, "-c", LATEST, str(out)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{out / 'checkpoint-2' / name} is not a regular file" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == str(out / "checkpoint-1")
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_fifo_in_place_of_a_log_stops_a_resume_in_one_line(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    fifo_in_place_of(out / "metrics.jsonl")
+    done = run_remix("--resume", str(out), "--steps", "3", timeout=120)
+    one_error_line(done, f"{out / 'metrics.jsonl'} is not a regular file")
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.parametrize("program", ["remix.py", "eval.py"])
+def test_a_fifo_in_the_model_folder_is_named_before_anything_is_written(program, tiny_model, train_file, tmp_path):
+    model, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(tiny_model, model)
+    fifo_in_place_of(model / "tokenizer.json")
+    argv = tiny_cli(str(model), train_file, out) if program == "remix.py" else \
+        ["--model", str(model), "--out", str(out), "--limit", "1", "--sampler", "hf"]
+    done = run_remix(*argv, program=program, timeout=120)
+    one_error_line(done, f"{model / 'tokenizer.json'} is not a regular file", prog=program.removesuffix(".py"))
+    assert not out.exists()
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_eval_names_a_fifo_in_the_out_folder_it_continues_before_reading_it(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    args = eval_cli.EvalArgs(model=tiny_model, out=str(out), limit=1, sampler="hf")
+    (out / "settings.json").write_text(json.dumps(eval_cli.settings_of(args)))  # an evaluation to continue
+    os.mkfifo(out / "samples.jsonl")  # opening it would wait for a writer forever
+    done = run_remix("--model", tiny_model, "--out", str(out), "--limit", "1", "--sampler", "hf", program="eval.py",
+                     timeout=120)
+    one_error_line(done, f"{out / 'samples.jsonl'} is not a regular file", prog="eval")
+
+
+# ----------------------------------------------------------------------------------------------
+# The base model: whole weights, and a context long enough, before --out is touched
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("program", ["remix", "eval"])
+def test_a_truncated_base_model_is_one_line_and_leaves_no_lock(program, tiny_model, train_file, tmp_path, capsys):
+    model, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(tiny_model, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(SystemExit) as exit_info:
+        if program == "remix":
+            remix.train(tiny_args(str(model), train_file, out))
+        else:
+            eval_cli.main(eval_cli.EvalArgs(model=str(model), out=str(out), limit=1, sampler="hf"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(f"{program}: error: "), err
+    assert f"{weights} is damaged" in err[0]
+    assert not out.exists()  # no folder, no .remix.lock
+
+
+def short_context_model(tiny_model: str, folder: Path, length: int) -> str:
+    shutil.copytree(tiny_model, folder)
+    edit_config(folder, max_position_embeddings=length)
+    return str(folder)
+
+
+def test_a_model_context_shorter_than_the_run_needs_is_one_line_before_anything_is_written(tiny_model, train_file,
+                                                                                           tmp_path, capsys):
+    """vLLM would refuse max_model_len 1024 + 24 for a model of 512 positions, after the models had loaded."""
+    model, out = short_context_model(tiny_model, tmp_path / "model", 512), tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(tiny_args(model, train_file, out, sampler="vllm"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert "takes at most 512 tokens (max_position_embeddings in config.json)" in err[0]
+    assert "the run needs 1048: --max-prompt-tokens 1024 plus --max-response-tokens 24" in err[0]
+    assert not out.exists()
+    with pytest.raises(SystemExit) as exit_info:  # eval: its longest prompt plus --max-tokens
+        eval_cli.main(eval_cli.EvalArgs(model=model, out=str(out), limit=1, benchmarks=("math500",)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "takes at most 512 tokens" in err[0], err
+    assert "plus --max-tokens 8192" in err[0] and not out.exists()
+
+
+def test_the_context_is_what_vllm_derives_from_the_config(tiny_model, tmp_path):
+    """Its max_position_embeddings, times a linear RoPE factor, at most the tokenizer's limit."""
+    from machinery import models
+    from transformers import AutoTokenizer
+
+    model = short_context_model(tiny_model, tmp_path / "model", 224)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert models.context_length(model, tokenizer) == (224, "max_position_embeddings in config.json")
+    edit_config(Path(model), rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert models.context_length(model, tokenizer)[0] == 448
+    tokenizer.model_max_length = 300  # vLLM takes the tokenizer's limit too
+    assert models.context_length(model, tokenizer) == (300, "model_max_length in tokenizer_config.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# A hub generation config that transformers loads but refuses to save
+# ----------------------------------------------------------------------------------------------
+def test_sampling_values_without_do_sample_save_with_every_checkpoint_which_loads_and_resumes(tiny_model, train_file,
+                                                                                              tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update(temperature=0.6, top_p=0.95)  # as many hub models have it: no do_sample
+    (model / "generation_config.json").write_text(json.dumps(config))
+    small = dict(algo="grpo", group_size=2, prompts_per_step=4, max_response_tokens=8, save_every=1)
+    remix.train(tiny_args(str(model), train_file, out, steps=2, **small))
+    assert "sets sampling values without do_sample" in capsys.readouterr().out
+    saved = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2").generation_config
+    saved.validate(strict=True)
+    assert (saved.temperature, saved.top_p, saved.do_sample) == (0.6, 0.95, True)
+    remix.train(tiny_args(str(model), train_file, out, steps=3, resume=str(out), **small))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3] and (out / "checkpoint-3" / "trainer_state.pt").is_file()

@@ -1,0 +1,179 @@
+"""What a program takes from places it does not control: the folder it is run from (its Python files are never
+imported, by the program or by the grader's workers), the signals its parent set to be ignored (nohup's SIGHUP stays
+ignored), and datasets and chat templates built to break it (an integer too long to read, JSON nested past Python's
+recursion limit, broken Unicode, a template that raises or never ends): each of those ends in one line and exit 2
+before anything is written.
+
+    pytest -q tests/test_untrusted_input.py
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tests.common import ROOT, read_metrics, run_remix, tiny_cli  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------
+# The working directory is not on sys.path
+# ----------------------------------------------------------------------------------------------
+PLANTED = ("tyro", "sympy", "select")  # imported by remix.py, by math-verify, by the grader itself
+
+
+def plant(folder):
+    """Modules in a folder that, if ever imported, leave a file named after themselves there."""
+    folder.mkdir()
+    for name in PLANTED:
+        (folder / f"{name}.py").write_text(
+            f"import os\nopen(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'IMPORTED-{name}'), 'w')\n")
+    return folder
+
+
+@pytest.mark.slow
+def test_python_files_in_the_folder_a_user_runs_from_are_never_imported(tiny_model, train_file, tmp_path):
+    cwd = plant(tmp_path / "downloaded-model")
+    out = tmp_path / "run"
+    trained = run_remix(*tiny_cli(tiny_model, train_file, out, "--steps", "2"), cwd=cwd)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    samples = tmp_path / "samples.jsonl"  # a regrade grades in the same workers: the answers are known
+    samples.write_text("".join(json.dumps({"benchmark": "aime24", "id": i, "answers": [gold], "response": response})
+                               + "\n" for i, (gold, response) in enumerate([("0.5", "so \\boxed{\\frac{1}{2}}"),
+                                                                           ("204", "\\boxed{205}")])))
+    graded = run_remix("--regrade", str(samples), "--out", str(tmp_path / "eval"), cwd=cwd, program="eval.py")
+    assert graded.returncode == 0, graded.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["greedy"]["aime24"]["pass@1"] == 50.0 and summary["greedy"]["aime24"]["grader_failures"] == 0
+    assert sorted(p.name for p in cwd.iterdir()) == sorted(f"{name}.py" for name in PLANTED)
+
+
+# ----------------------------------------------------------------------------------------------
+# An inherited ignore is kept
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_run_started_under_nohup_outlives_sighup(tiny_model, train_file, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "remix.py"), *tiny_cli(tiny_model, train_file, out,
+                                                                               "--steps", "3")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # what nohup does
+    deadline, sent = time.time() + 300, 0
+    while proc.poll() is None:  # hang-ups all through: while torch imports, while loading, while training
+        assert time.time() < deadline
+        proc.send_signal(signal.SIGHUP)
+        sent += 1
+        time.sleep(0.2)
+    _, err = proc.communicate()
+    assert proc.returncode == 0 and sent > 10, err[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# Datasets built to break the reader
+# ----------------------------------------------------------------------------------------------
+GOOD_ROW = '{"problem": "What is 1+1?", "answer": "2"}\n'
+HUGE = "9" * 5000  # Python reads at most 4300 digits into an int
+
+
+@pytest.mark.parametrize("case, text, message", [
+    ("huge-integer", GOOD_ROW + '{"problem": "p", "answer": ' + HUGE + '}\n', "line 2 holds an integer of over 4300"),
+    ("huge-integer-document", '[\n' + GOOD_ROW + ',\n{"problem": "p",\n "answer": ' + HUGE + '}\n]\n',
+     "holds an integer of over 4300 digits"),
+    ("huge-integer-first-line", '{"problem": "p", "answer": ' + HUGE + '}\n' + GOOD_ROW, "line 1 holds an integer"),
+    ("deep", GOOD_ROW + '{"problem": "p", "answer": "1", "x": ' + "[" * 100_000 + "]" * 100_000 + '}\n',
+     "line 2 nests lists or objects deeper than Python reads"),
+    ("deep-document", "[" * 100_000 + "]" * 100_000, "nests lists or objects deeper than Python reads"),
+    ("lone-surrogate", GOOD_ROW + '{"problem": "What is \\ud800 + 1?", "answer": "2"}\n',
+     "row 2 holds a lone surrogate"),
+    ("lone-low-surrogate-in-a-list", GOOD_ROW + '{"problem": "p", "answer": "2", "also": ["\\udfff"]}\n',
+     "row 2 holds a lone surrogate"),
+])
+def test_a_dataset_python_cannot_read_or_encode_stops_in_one_line_before_anything_is_written(
+        case, text, message, tiny_model, tmp_path, capsys):
+    import remix
+    from tests.common import tiny_args
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(text)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(tiny_args(tiny_model, str(path), out))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("remix: error: dataset ") \
+        and message in err[0] and str(path) in err[0], err
+    assert not out.exists()
+
+
+def test_a_benchmark_file_with_a_lone_surrogate_is_refused_before_eval_writes(tiny_model, tmp_path, capsys):
+    import eval as eval_cli
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "aime24.jsonl").write_text(GOOD_ROW + '{"problem": "\\udc00", "answer": "2"}\n')
+    out = tmp_path / "eval"
+    with pytest.raises(SystemExit) as exit_info:
+        eval_cli.main(eval_cli.EvalArgs(model=tiny_model, benchmarks=("aime24",), data_dir=str(bench), sampler="hf",
+                                        out=str(out)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "row 2 holds a lone surrogate" in err[0], err
+    assert not out.exists()
+
+
+def test_paired_surrogate_escapes_are_text_and_load(tmp_path):
+    from machinery import data
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"problem": "smile \\ud83d\\ude00: 1+1?", "answer": "2"}\n')
+    assert data.load_problems(str(path), "problem", "answer") == [("smile \U0001F600: 1+1?", "2")]
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat templates built to break the prompt
+# ----------------------------------------------------------------------------------------------
+TEMPLATES = {
+    "raise_exception": ("{{ raise_exception('no user turns here') }}", "TemplateError: no user turns here"),
+    "sandbox": ("{{ ''.__class__.__mro__ }}", "SecurityError: access to attribute '__class__'"),
+    "undefined": ("{{ messages[0].nothing.deeper }}", "UndefinedError"),
+    "syntax": ("{% for %}", "TemplateSyntaxError"),
+    "python-error": ("{{ messages | length / 0 }}", "ZeroDivisionError"),
+    "endless": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                "rendered one prompt for over 5 s"),
+}
+
+
+def model_with_template(tiny_model, folder, template: str) -> str:
+    import shutil
+
+    shutil.copytree(tiny_model, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    return str(folder)
+
+
+@pytest.mark.parametrize("program", ["remix", "eval"])
+@pytest.mark.parametrize("case", list(TEMPLATES))
+def test_a_chat_template_that_raises_or_never_ends_stops_in_one_line_before_anything_is_written(
+        program, case, tiny_model, train_file, tmp_path, capsys):
+    import eval as eval_cli
+    import remix
+    from tests.common import tiny_args
+
+    template, message = TEMPLATES[case]
+    model, out = model_with_template(tiny_model, tmp_path / "model", template), tmp_path / "out"
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        if program == "remix":
+            remix.train(tiny_args(model, train_file, out))
+        else:
+            eval_cli.main(eval_cli.EvalArgs(model=model, benchmarks=("aime24",), limit=2, sampler="hf", out=str(out)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(f"{program}: error: the chat template of "
+                                                                              f"{model!r}") and message in err[0], err
+    assert time.monotonic() - start < 30 and not out.exists()
