@@ -1,16 +1,15 @@
 """ReMix: Reincarnating Mix-policy Proximal Policy Gradient, the method in one file.
 
 Liang et al., "Squeeze the Soaked Sponge: Efficient Off-policy Reinforcement Finetuning for Large Language Model",
-arXiv 2507.06892: read it top to bottom beside the paper. What it runs on is the package machinery/; every call
-into it names its module (dist., models., engines., run., ...), so a reader of the method may skip those calls.
+arXiv 2507.06892. Calls into the package it runs on, machinery/, name their module (dist., run., ...): skip them.
 
     replay = deque(maxlen=N)                                      the last N policies' fresh batches
     for k = 1, 2, ...:
         p, m = (p, m) if k <= T else (0, 1)                       stage
-        fresh = (1-p)*B responses of pi_k to new prompts          sample      (vLLM, one seed per request)
+        fresh = G responses of pi_k to each of (1-p)*B prompts    sample      (vLLM, one seed per request)
         reward = [last \\boxed{} == gold]  (math-verify)           score       (training_reward)
         mu, ref = log pi_k, log pi_ref of each fresh token        behaviour_and_reference
-        history = p*B responses, whole groups, from replay        draw_history
+        history = p*B prompts' groups, whole, from replay         draw_history
         replay.append(fresh)
         log pi_k of history; V(s_t) of all (PPO)                  prox_and_values
         A = V-trace GAE, c_t = min(c_bar, pi_k/mu) (PPO)          compute_advantages  (vtrace_advantages)
@@ -33,9 +32,8 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
-import tyro
 
-from machinery import data, dist, engines, evaluation, grader, models, notation, run
+from machinery import dist, engines, flags, grader, guard, metrics, models, notation, run
 
 
 @dataclass
@@ -45,10 +43,9 @@ class Args:
     """PPO (critic, V-trace GAE) or GRPO (group-normalised outcome advantage, no critic)"""
     steps: int = 350
     """number of training steps (rollout batches), >= 1; with --resume, a larger value extends a run"""
-    prompts_per_step: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: 256 for PPO, 128 for GRPO)")] \
-        = None
-    """B / group size, >= 1: prompts per step over all processes (fresh ones plus historical ones)"""
-    group_size: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: 1 for PPO, 8 for GRPO)")] = None
+    prompts_per_step: Annotated[int | None, flags.hint("(default: 256 for PPO, 128 for GRPO)")] = None
+    """B, >= 1: prompts per step over all processes (fresh plus historical), each with group_size responses"""
+    group_size: Annotated[int | None, flags.hint("(default: 1 for PPO, 8 for GRPO)")] = None
     """responses per prompt, >= 1 (>= 2 for GRPO)"""
     off_policy_p: float = 0.4
     """p, in [0, 1): the share of each batch's prompts drawn from the replay deque during the mix stage"""
@@ -124,13 +121,12 @@ class Args:
     vllm_gpu_memory_utilization: float = 0.35
     """in (0, 1): GPU memory share vLLM may take beside the trainer (docs/memory.md has the arithmetic)"""
     vllm_sleep: bool = True
-    """GPU only: free vLLM's weights and KV cache while training (sleep level 2: no host copy; the push refills it)"""
+    """GPU only: vLLM sleeps (level 2: weights and KV cache freed, no host copy) from each sample to its push"""
     vllm_tp: int = 1
     """>= 1: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
-    precision: Annotated[Literal["bf16", "fp32"] | None, tyro.conf.arg(help_behavior_hint="(default: bf16 on GPU, "
-                                                                                          "fp32 on CPU)")] = None
+    precision: Annotated[Literal["bf16", "fp32"] | None, flags.hint("(default: bf16 on GPU, fp32 on CPU)")] = None
     """dtype of every forward pass (policy, critic, frozen reference, vLLM); weights and optimizer state stay fp32"""
-    gradient_checkpointing: Annotated[bool | None, tyro.conf.arg(help_behavior_hint="(default: on GPU)")] = None
+    gradient_checkpointing: Annotated[bool | None, flags.hint("(default: on GPU)")] = None
     """recompute activations in the backward pass of both models (saves memory on long responses)"""
     grader_workers: int = 2
     """>= 1: processes (per rank) that grade answers with math-verify"""
@@ -167,7 +163,7 @@ class Args:
 
 
 def finalize_args(args: Args) -> Args:
-    """Fill the algorithm- and device-dependent defaults; run.check_args then rejects bad values."""
+    """Fill the algorithm- and device-dependent defaults; flags.check_args then rejects bad values."""
     if args.on_policy:  # nothing of ReMix is left: no replay, no extra passes, no switch, KL to the base only
         args.off_policy_p, args.utd, args.reincarnation, args.kl_convex = 0.0, 1, False, False
     if args.prompts_per_step is None:
@@ -180,7 +176,7 @@ def finalize_args(args: Args) -> Args:
 
 
 # ----------------------------------------------------------------------------------------------
-# The prompt and the reward: answer verification with math-verify (spec Sec. 7)
+# The prompt and the reward: answer verification with math-verify (spec Sec. 7); METHOD hands them to machinery
 # ----------------------------------------------------------------------------------------------
 SELF_REFLECTION_WORDS = ("verify", "re-examine", "double-check", "why", "root cause", "validate", "abduct", "question",
                          "check", "but", "wait", "confirm", "scrutinize", "analyze", "investigate", "probe")
@@ -213,8 +209,7 @@ def parse_boxed(expression: str):
 def grade_response(response: str, answer: str) -> tuple[float, str]:
     """The answer check, what eval.py's Pass@1 counts: (1.0 if right else 0.0, ok | no_boxed | unparsable | error).
     Runs in a grader worker's main thread, where math-verify's alarm-based timeouts work."""
-    from math_verify import verify
-    from math_verify.errors import TimeoutException
+    from math_verify import errors, verify
 
     predicted = final_answer(response)
     if predicted is None:
@@ -224,7 +219,7 @@ def grade_response(response: str, answer: str) -> tuple[float, str]:
         if not gold or not pred:
             return 0.0, "unparsable"
         return float(verify(gold, pred, raise_on_error=True)), "ok"  # gold first: the order matters
-    except (Exception, TimeoutException):  # math-verify's timeout is a BaseException: wrong, and counted
+    except (Exception, errors.TimeoutException):  # math-verify's timeout is a BaseException: wrong, and counted
         return 0.0, "error"
 
 
@@ -235,9 +230,8 @@ def training_reward(response: str, answer: str) -> tuple[dict[str, float], str]:
     return {"correct": correct}, status
 
 
-def math_reward(response: str, answer) -> float:
-    """grade_response's 1.0 or 0.0 for a gold answer (a string or a number), in a worker with a 4 s deadline."""
-    return evaluation.grade_many([(response, [data.answer_text(answer)])], timeout=4.0)[0][0]
+METHOD = run.Method(finalize=finalize_args, build_prompt=build_prompt, final_answer=final_answer, warm=parse_boxed,
+                    warm_args=("1",), grade_response=grade_response, reflection_words=SELF_REFLECTION_WORDS)
 
 
 # ==============================================================================================
@@ -249,9 +243,8 @@ def math_reward(response: str, answer) -> float:
 #   pi_ref         ref_logp                   the KL anchor: the base model, pi_T after reincarnation
 #   B, G           prompts_per_step, group_size   prompts per step (fresh + historical), responses per prompt
 #   p, N, m, T     off_policy_p, window, utd, reincarnate_step
-#   r, c           ratio = pi_theta/mu, centre = pi_k/mu (Eq. 4); c_t = min(c_bar, pi_k/mu) (V-trace)
-# Shapes: [N, L] = [responses, response tokens]; [V] the vocabulary; [H] the hidden size. A sample (one
-# response) is a dict; its fields are listed under the ONE TRAINING STEP banner.
+#   r, c           r = pi_theta/mu, centre = pi_k/mu (Eq. 4, by ratio()); c_t = min(c_bar, pi_k/mu) (V-trace)
+# Shapes: [N, L] = [responses, response tokens]; [V] the vocabulary; [H] the hidden size (samples: ONE TRAINING STEP)
 # ==============================================================================================
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log pi(a_t|s_t) and the entropy of pi(.|s_t), [n, 2], from the logits [n, V] and the tokens [n] sampled there:
@@ -275,6 +268,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (torch.where(weights > 0, x, 0.0) * weights).sum() / size.clamp(min=1e-12)
 
 
+def ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """e^log_ratio, clamped to +-20 first as verl does (Decision 15): finite where pi/mu overflows float32 (e^89)."""
+    return torch.exp(log_ratio.clamp(-20.0, 20.0))
+
+
 def kl_convex_lambda(t: int, start: int = 50, every: int = 10) -> float:
     """Eq. 5 schedule: 1.0 up to step `start` (50), then 0.1 lower every `every` (10) steps, never below 0.5:
     t = 50 -> 1.0, 51 -> 0.9, 60 -> 0.9, 61 -> 0.8, 91 -> 0.5, 500 -> 0.5."""
@@ -283,7 +281,7 @@ def kl_convex_lambda(t: int, start: int = 50, every: int = 10) -> float:
 
 def k3_kl(logp: torch.Tensor, anchor_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi_theta || anchor) from sampled tokens: e^(q-p) - (q-p) - 1 >= 0."""
-    log_ratio = anchor_logp - logp  # [N, L]
+    log_ratio = (anchor_logp - logp).clamp(-20.0, 20.0)  # [N, L], clamped as ratio() is
     return torch.exp(log_ratio) - log_ratio - 1.0  # [N, L]
 
 
@@ -296,8 +294,7 @@ def kl_convex_loss(logp, ref_logp, prox_logp, lam: float, mask) -> torch.Tensor:
 
 def truncated_trace(prox_logp, behaviour_logp, mask, c_bar: float = 1.0) -> torch.Tensor:
     """V-trace coefficients c_t = min(c_bar, pi_k(a_t|s_t) / mu(a_t|s_t)); exactly 1 on fresh samples."""
-    ratio = torch.exp(prox_logp - behaviour_logp)  # [N, L]
-    return torch.where(mask.bool(), ratio.clamp(max=c_bar), 1.0)  # [N, L]
+    return torch.where(mask.bool(), ratio(prox_logp - behaviour_logp).clamp(max=c_bar), 1.0)  # [N, L]
 
 
 def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: float = 1.0):
@@ -310,8 +307,7 @@ def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: f
     Example, one response of 3 tokens, reward 1 at the end, V = (0.5, 0.6, 0.7), c = (1, 0.5, 0.8),
     gamma = lam = 1: A_3 = 1 - 0.7 = 0.3; A_2 = (0.7 - 0.6) + 0.8 * 0.3 = 0.34;
     A_1 = (0.6 - 0.5) + 0.5 * 0.34 = 0.27. With every c = 1 this is GAE(gamma, lam).
-    All inputs [N, L]; mask marks response tokens (a prefix of each row). No whitening here.
-    """
+    All inputs [N, L]; mask marks response tokens (a prefix of each row). No whitening here."""
     mask = mask.bool()
     batch, length = rewards.shape
     advantages = torch.zeros_like(rewards)  # [N, L]
@@ -338,9 +334,8 @@ def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     for gid in torch.unique(group_ids):
         members = group_ids == gid  # [N]
         group = scores[members]
-        if group.numel() < 2:
-            continue
-        advantages[members] = (group - group.mean()) / (group.std(unbiased=True) + 1e-6)
+        if group.numel() > 1:
+            advantages[members] = (group - group.mean()) / (group.std(unbiased=True) + 1e-6)
     return advantages
 
 
@@ -371,24 +366,24 @@ def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float =
     The ratio is taken against each sample's behaviour policy mu and the clip interval is centred at
     c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip. clipfrac counts the tokens where
     the clip changes the objective (A > 0 above c + eps, A < 0 below c - eps), as verl and TRL do.
-    weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term: sampler_is_weight.
-    """
-    ratio = torch.exp(logp - behaviour_logp)  # [N, L]  r
-    centre = torch.exp(prox_logp - behaviour_logp).detach()  # [N, L]  c, a constant of the step
-    unclipped = ratio * advantages  # [N, L]
-    clipped = torch.clamp(ratio, centre - eps, centre + eps) * advantages  # [N, L]
+    weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term: sampler_is_weight."""
+    r = ratio(logp - behaviour_logp)  # [N, L]
+    centre = ratio(prox_logp - behaviour_logp).detach()  # [N, L]  c, a constant of the step
+    unclipped = r * advantages  # [N, L]
+    clipped = torch.clamp(r, centre - eps, centre + eps) * advantages  # [N, L]
     per_token = torch.minimum(unclipped, clipped)  # [N, L]
     loss = -masked_mean(per_token if weights is None else per_token * weights, mask)
     with torch.no_grad():
-        cut = ((advantages > 0) & (ratio > centre + eps)) | ((advantages < 0) & (ratio < centre - eps))  # [N, L]
-        stats = {"clipfrac": masked_mean(cut.float(), mask), "ratio_mean": masked_mean(ratio, mask)}
+        cut = ((advantages > 0) & (r > centre + eps)) | ((advantages < 0) & (r < centre - eps))  # [N, L]
+        approx_kl = k3_kl(prox_logp, logp)  # [N, L] CleanRL's approx_kl, (r - 1) - log r with r = pi_theta / pi_k
+        stats = {"clipfrac": masked_mean(cut.float(), mask), "approx_kl": masked_mean(approx_kl, mask)}
     return loss, stats
 
 
 def sampler_is_weight(trainer_logp, sampler_logp, cap: float) -> torch.Tensor:
     """Not in the paper (Decision 18, TRL's vLLM correction): min(pi_trainer / pi_sampler, cap) per token, for the
     sampler's kernels' gap from the trainer. trainer -1.0, sampler -1.5: e^0.5 = 1.65; trainer -0.2, cap 2: 2."""
-    return torch.exp(trainer_logp - sampler_logp).clamp(max=cap)  # [L]
+    return ratio(trainer_logp - sampler_logp).clamp(max=cap)  # [L]
 
 
 def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.5) -> torch.Tensor:
@@ -409,9 +404,8 @@ def policy_objective(mix_ppg, entropy, kl_convex, ent_coef: float, beta: float) 
 # The replay deque, the two stages and reincarnation; log pi(a_t|s_t) and V(s_t) of every response token
 # ----------------------------------------------------------------------------------------------
 def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
-    """n_groups whole groups (Decision 2: group statistics never mix fresh and old responses) drawn uniformly without
-    replacement from the last N policies' batches, pooled; fewer when the deque holds fewer (none at step 1). The
-    loop draws before it stores this step's groups: those are pi_k's own, not history."""
+    """n_groups whole groups (Decision 2: group statistics never mix fresh and old responses), drawn uniformly without
+    replacement from the last N policies' batches pooled; fewer if the deque holds fewer (none at step 1)."""
     stored = [group for batch in replay for group in batch]
     return random.sample(stored, min(n_groups, len(stored)))
 
@@ -452,9 +446,8 @@ def critic_forward(critic, batch: dict) -> torch.Tensor:
 
 
 # ==============================================================================================
-# ONE TRAINING STEP, phase by phase in the paper's order; each is a function a fork can replace.
-# Every rank runs each phase on its own share of the batch; dist.all_reduce/all_gather mark where the
-# ranks combine their parts. A sample is one response, a dict whose fields the phases fill in:
+# ONE TRAINING STEP, phase by phase in the paper's order, each a function a fork can replace, run by every rank on
+# its share (dist.all_reduce/all_gather combine). A sample is one response, a dict whose fields the phases fill in:
 #   phase               fields ([L] = one value per response token)                      in the deque
 #   1 sample            prompt_ids, response_ids, answer, version (its policy's step k),  stored
 #                       group, truncated, sampler_logp [L] (vLLM's, None with hf)
@@ -462,8 +455,10 @@ def critic_forward(critic, batch: dict) -> torch.Tensor:
 #   3 behaviour/ref     behaviour_logp [L] (mu), ref_logp [L], sampler_weight [L]        stored
 #   4 prox/values       prox_logp [L] (pi_k), values [L] (PPO)                           recomputed
 #   5 advantages        advantages [L], value_targets [L] (PPO)                          recomputed
-# A historical sample keeps what it was stored with and gets 4 and 5 anew every step.
 # ==============================================================================================
+RECOMPUTED = ("prox_logp", "values", "advantages", "value_targets")  # 4, 5: a historical sample's anew each step
+
+
 def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list[list[dict]]:
     """1. group_size responses of pi_k to each of this rank's fresh prompts (a group). Each vLLM request has its own
     seed, from the prompt's index in the step: a resumed run, and the ranks of one engine, draw the same tokens."""
@@ -471,14 +466,13 @@ def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list
     sampling = (args.temperature, args.top_p, args.max_response_tokens)
     if llm is not None:
         seeds = [engines.request_seed(args.seed, step, first + i, args.group_size) for i in range(len(engine))]
-        groups = engines.vllm_generate(llm, [p.ids for p in engine], args.group_size, seeds, *sampling,
-                                       sleep=args.vllm_sleep)[offset:]
+        groups = engines.vllm_generate(llm, [p.ids for p in engine], args.group_size, seeds, *sampling)[offset:]
     else:
         groups = engines.hf_generate(policy, tokenizer, [p.ids for p in mine], args.group_size, *sampling,
                                      args.mini_batch_prompts)
-    # a group id unique over the run: a step's groups never exceed a million
+    # a group id unique over the run and the ranks: the prompt's index in the step (a step has under a million)
     return [[{"prompt_ids": prompt.ids, "response_ids": response or [tokenizer.pad_token_id], "answer": prompt.answer,
-              "version": step, "group": step * 1_000_000 + i, "truncated": finish == "length",
+              "version": step, "group": step * 1_000_000 + first + offset + i, "truncated": finish == "length",
               "sampler_logp": None if logps is None or not response else logps}
              for response, finish, logps in group]
             for i, (prompt, group) in enumerate(zip(mine, groups))]
@@ -488,8 +482,7 @@ def score(fresh: list[dict], tokenizer, args: Args):
     """2. training_reward of each response, graded in worker processes with a deadline (past it: 0, counted)."""
     texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in fresh]
     grades = grader.map_with_deadline(training_reward, [(text, s["answer"]) for text, s in zip(texts, fresh)],
-                                      args.grader_workers, args.grade_timeout, ({}, "timeout"), warm=parse_boxed,
-                                      warm_args=("1",))
+                                      args.grader_workers, args.grade_timeout, ({}, "timeout"), parse_boxed, ("1",))
     for s, text, (parts, status) in zip(fresh, texts, grades):
         s["reward"], s["reward_parts"], s["status"] = sum(parts.values(), 0.0), parts, status
         s["reflects"] = any(word in text.lower() for word in SELF_REFLECTION_WORDS)
@@ -546,43 +539,54 @@ def compute_advantages(batch: list[dict], args: Args) -> dict:
     return {"mask": mask, "trace_c": trace_c, "log_ratio": prox - behaviour, "advantages": advantages}
 
 
+def offpolicy_diagnostics(adv: dict, fresh: list[dict], args: Args) -> dict[str, torch.Tensor]:
+    """This rank's off-policy diagnostics (docs/metrics.md), read off the layout: fresh first, groups whole."""
+    n, mask, abs_adv = len(fresh), adv["mask"], adv["advantages"].abs()  # [N, L]
+    log_ratio = adv["log_ratio"][n:][mask[n:]]  # [historical tokens] log(pi_k / mu)
+    rewards = torch.tensor([s["reward"] for s in fresh]).view(-1, args.group_size)  # [fresh groups, G]
+    return {"log_ratio": log_ratio, "trace_cut": log_ratio.exp() > args.vtrace_c_bar,  # c_t < pi_k/mu
+            "trace_prod": adv["trace_c"][n:].log().sum(-1).exp(),  # [historical responses] prod over t of c_t
+            "abs_adv_historical": abs_adv[n:][mask[n:]], "abs_adv_fresh": abs_adv[:n][mask[:n]],  # [tokens]
+            "zero_spread": rewards.std(-1) == 0 if args.group_size > 1 else torch.zeros(0, dtype=torch.bool)}
+
+
 def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd: int, step: int, args: Args) -> dict:
-    """6. utd passes (Decision 13), each cutting a new random order of the batch into mini-batches of
-    mini_batch_prompts prompts' responses, one optimizer step each on Eq. 6 and the critic's value loss. Every term
-    is the token mean over the whole mini-batch: each micro-batch's backward is weighted by its share of tokens."""
+    """6. utd passes (Decision 13), each a new random order of the batch cut into mini-batches of mini_batch_prompts
+    prompts' responses, one optimizer step each on Eq. 6 and the value loss. Each term is the token mean over the
+    mini-batch, all ranks: a micro-batch's mean times its token share, times the world size (FSDP averages ranks)."""
     nets, stats = [net for net in (policy, critic) if net is not None], collections.defaultdict(list)
     for net in nets:  # training mode: transformers checkpoints activations only then (no dropout here)
         net.train()
     for epoch in range(utd):
         for rows in dist.mini_batches(batch, args.mini_batch_prompts * args.group_size, args.seed, step, epoch):
-            size = dist.all_reduce(aggregation(models.response_mask(rows))[1])  # what the mini-batch's means divide by
+            size = dist.all_reduce(aggregation(models.response_mask(rows))[1])  # the mini-batch's, all ranks
             terms = collections.defaultdict(float)  # each logged term, summed with its micro-batch's share
             for micro in dist.micro_batches(rows, args.max_tokens_per_micro_batch):
                 mb = models.collate(micro)
                 mask = mb["response_mask"]  # [n, l]
-                share = aggregation(mask)[1] / size  # this micro-batch's part of the mini-batch's mean
+                share = aggregation(mask)[1] / size  # the micro-batch's part of the mini-batch's token mean
                 behaviour, prox, adv = (models.padded(micro, k) for k in ("behaviour_logp", "prox_logp", "advantages"))
                 weights = models.padded(micro, "sampler_weight") if args.sampler_is_cap is not None else None
                 logp, entropy = policy_forward(policy, mb, args.temperature)  # [n, l] log pi_theta, H(pi_theta)
                 pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights)
                 entropy = masked_mean(entropy, mask)
                 kl = {"losses/policy_loss": pg_loss, "losses/entropy": entropy, "losses/clipfrac": pg_stats["clipfrac"],
-                      "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
+                      "losses/approx_kl": pg_stats["approx_kl"], "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
                 klc = torch.zeros((), device=logp.device)
                 if args.kl_beta:
                     ref = models.padded(micro, "ref_logp")  # [n, l] pi_ref
                     klc = kl_convex_loss(logp, ref, prox, lam, mask)
                     kl.update({"losses/kl_convex": klc, "kl/ref": masked_mean(k3_kl(logp, ref), mask)})
-                dist.backward_share(policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta), share)
+                (policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta) * share * dist.world()).backward()
                 if critic is not None:
                     value_loss = clipped_value_loss(critic_forward(critic, mb), models.padded(micro, "values"),
                                                     models.padded(micro, "value_targets"), mask, args.value_clip)
-                    dist.backward_share(value_loss, share)
+                    (value_loss * share * dist.world()).backward()  # FSDP's mean over ranks: times the world
                     kl["losses/value_loss"] = value_loss
                 for name, term in kl.items():
-                    terms[name] += float(term.detach()) * float(share)
+                    terms[name] += float(term.detach()) * float(share)  # summed over the ranks by guard
             norms = [dist.clip_grad_norm(net, args.max_grad_norm) for net in nets]  # each model's global norm
-            if run.finite_update(terms, norms, stats, step):  # else skipped; 3 in a row stop the run
+            if guard.finite_update(terms, norms, stats, step):  # else skipped; 3 in a row stop the run
                 for optim in optimizers:
                     optim.step()
             for optim in optimizers:  # no gradients held through the push, generation and no-grad passes
@@ -597,7 +601,7 @@ def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd:
 # ----------------------------------------------------------------------------------------------
 def train(args: Args, on_step=None) -> dict:
     """The whole run; on_step(step, record, policy, tokenizer, batch) runs after each step (the toy study's hook)."""
-    session = run.Session(args, finalize_args)  # every check, then --out locked; a resumed run's state
+    session = run.Session(args, METHOD)  # every check, then --out locked; a resumed run's state
     args, tokenizer = session.args, session.tokenizer
     policy, reference, critic = models.load(args, session.checkpoint)  # pi_theta, pi_ref, V
     optimizers = [torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=args.weight_decay)
@@ -609,13 +613,13 @@ def train(args: Args, on_step=None) -> dict:
         for step in session.steps():
             mixing, p, utd = stage(step, args)
             n_fresh = round((1.0 - p) * args.prompts_per_step)  # prompts over all ranks; the rest from the deque
-            # 1. sample (1-p)*B fresh responses from pi_k, and 2. score them
+            # 1. sample G responses from pi_k to each of (1-p)*B fresh prompts, and 2. score them
             groups = sample(llm, policy, tokenizer, session.next_prompts(n_fresh), step, args)
             fresh = [s for group in groups for s in group]
             score(fresh, tokenizer, args)
+            engines.sleep(llm)  # GPU sleep mode: the engine's memory is the trainer's until the push
             session.lap("gen")
-            # 3. behaviour and reference log-probs; 4. mix in p*B historical samples: whole groups drawn
-            # uniformly from the last N batches (each rank from its own deque, Decision 17), then pi_k and values
+            # 3. mu and pi_ref's log-probs; 4. the whole groups of p*B historical prompts (Decision 17), pi_k, values
             behaviour_and_reference(fresh, policy, reference, args)
             history = [s for g in draw_history(replay, dist.per_rank(args.prompts_per_step - n_fresh)) for s in g]
             if p > 0:  # the deque stores fresh batches, while they can be replayed, and drops the oldest
@@ -623,23 +627,24 @@ def train(args: Args, on_step=None) -> dict:
             batch = fresh + history
             prox_and_values(fresh, history, policy, critic, args)
             # 5. advantages, 6. utd passes of Mix-PPG + KL-Convex updates
-            advantages = compute_advantages(batch, args)
+            diagnostics = offpolicy_diagnostics(compute_advantages(batch, args), fresh, args)  # and what it met
             lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every) if args.kl_convex else 1.0
             stats = update(batch, policy, critic, optimizers, lam, utd, step, args)
             session.lap("trainer")
             # 7. push pi_{k+1} into the sampler; 8. reincarnation at T
             if llm is not None:
-                engines.push_weights(llm, policy, args.vllm_sleep)
+                engines.push_weights(llm, policy)  # and wake it: the evaluation and the next sample need it
             session.lap("weight_sync")
             if args.reincarnation and step == args.reincarnate_step:
                 reincarnate(policy, reference, replay)
             # 9. log; evaluate every --eval-every steps; save every --save-every steps
             record = {"step": step, "phase": "mix" if mixing else "on-policy", "kl_convex/lambda": lam,
                       "train/utd": utd, "replay/deque_size": len(replay),
-                      **run.step_metrics(step, fresh, history, advantages, stats, args)}
-            session.end_step(record, fresh, history, on_step)  # then on_step(step, record, policy, tokenizer, batch)
+                      **metrics.step_metrics(step, fresh, history, diagnostics, stats)}
+            session.end_step(record, fresh, history, RECOMPUTED, args.reincarnation and step >= args.reincarnate_step,
+                             on_step)  # on_step(step, record, policy, tokenizer, batch), then fields dropped, saved
     return dict(policy=policy, reference=reference, critic=critic, replay=replay, llm=llm, tokenizer=tokenizer)
 
 
 if __name__ == "__main__":
-    run.main(lambda: train(tyro.cli(Args)))
+    run.main(lambda: train(run.cli(Args)))

@@ -7,12 +7,14 @@ program: the command line, crashes, several processes, vLLM, the GPU's numerics 
 
 Where each piece of the paper is tested:
     Sec. 7 reward, answer check              test_math_reward, test_grade_response_reports_status
+    Decision 14 responses cut at the limit   test_a_response_cut_at_the_length_limit_is_graded_like_any_other_...
     log pi(a|s), entropy (token_logprobs)    test_chunked_logprobs_and_gradients_equal_the_plain_computation
     Decision 3 aggregation                   test_logged_losses_are_the_optimised_token_means, test_token_budgets_...
     Eq. 5 KL-Convex, lambda(t), k3           test_kl_convex_lambda*, test_k3_kl_*, test_kl_convex_loss_mixes_...
     Sec. 3 V-trace (PPO)                     test_vtrace_matches_naive_double_loop, test_vtrace_three_tokens_by_hand
     Sec. 3 GRPO advantage (Decision 4)       test_group_advantages_by_hand, test_grpo_advantage_survives_a_4000_...
     Eq. 4 Mix-PPG                            test_mix_ppg_is_ppo_clip_on_fresh_samples, test_mix_ppg_clip_is_centred_...
+    the log-ratio clamp (verl's)             test_the_log_ratio_clamp_changes_nothing_in_the_normal_range, test_a_...
     Eq. 6 objective, UTD m, reincarnation    test_policy_objective_is_eq6, test_ppo_hf_batch_mix_and_utd,
                                              test_grpo_reincarnation, test_more_update_passes_move_the_weights_further
     replay deque, p and N                    test_draw_history_*, test_the_loop_replays_exactly_what_draw_history_drew_...
@@ -33,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
-from machinery import dist, engines, models, notation, run  # noqa: E402
+from machinery import dist, engines, evaluation, flags, metrics, models, notation  # noqa: E402
 from tests.common import (DATA, ROOT, TRAIN, full_state, plain_copy, read_metrics, tiny_args,  # noqa: E402, F401
                           wait_into_step_3)
 from tests.tiny_model import build_tiny_model  # noqa: E402
@@ -56,7 +58,8 @@ from tests.tiny_model import build_tiny_model  # noqa: E402
     ("unbalanced \\boxed{\\frac{1}{2}", "0.5", 0.0),
 ])
 def test_math_reward(response, answer, expected):
-    assert remix.math_reward(response, answer) == expected
+    """The answer check as eval.py and the evaluation during training run it: in a grader worker, 4 s deadline."""
+    assert evaluation.math_reward(remix.METHOD, response, answer) == expected
 
 
 def test_unbalanced_boxes_empty_answers_and_grader_errors_score_zero(monkeypatch):
@@ -74,6 +77,30 @@ def test_grade_response_reports_status():
     assert remix.grade_response("\\boxed{1}", "1") == (1.0, "ok")
     assert remix.grade_response("nothing", "1") == (0.0, "no_boxed")
     assert notation.last_boxed("a \\boxed{x^{2}} b") == "x^{2}"
+
+
+def test_a_response_cut_at_the_length_limit_is_graded_like_any_other_and_is_terminal(tiny_model):
+    """Decision 14, the authors' reward: a response cut inside its thinking that has boxed the right answer scores 1,
+    one cut with no box 0; the cut changes neither the reward nor the advantages (V after the last token is 0)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    texts = ["<think>\nSo x = 4, that is \\boxed{4}. But wait, let me check", "<think>\nSo x is either 4 or"]
+    fresh = [{"response_ids": tokenizer(t, add_special_tokens=False).input_ids, "answer": "4", "truncated": True}
+             for t in texts]
+    remix.score(fresh, tokenizer, remix.Args(grader_workers=1))
+    assert [(s["reward"], s["status"]) for s in fresh] == [(1.0, "ok"), (0.0, "no_boxed")]
+    for s, values in zip(fresh, ([0.2, 0.5, 0.9], [0.1, 0.3, 0.4])):
+        s.update(response_ids=s["response_ids"][:3], behaviour_logp=torch.full((3,), -1.0),
+                 prox_logp=torch.full((3,), -1.0), values=torch.tensor(values))
+    cut = remix.compute_advantages(fresh, remix.Args(algo="ppo"))["advantages"]
+    finished = remix.compute_advantages([{**s, "truncated": False} for s in fresh], remix.Args(algo="ppo"))
+    assert torch.equal(cut, finished["advantages"])
+    # by hand, gamma = lambda = 1 and c = 1: A_t = R - V(s_t) before whitening; V after the last token is 0
+    raw = torch.tensor([[0.8, 0.5, 0.1], [-0.1, -0.3, -0.4]])
+    mean, std = raw.mean(), raw.std(unbiased=False)
+    assert torch.allclose(cut, (raw - mean) / torch.sqrt(std ** 2 + 1e-8), atol=1e-6)
+    assert fresh[0]["value_targets"].tolist() == pytest.approx([1.0, 1.0, 1.0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,6 +502,48 @@ def test_weights_scale_each_token_of_mix_ppg():
         pytest.approx(-(ratio * adv).mean().item(), rel=1e-6)
 
 
+def naive_mix_ppg(logp, behaviour, prox, adv, eps):
+    """Eq. 4 token by token in plain Python floats, no clamp: the reference for the normal range."""
+    terms = []
+    for lp, b, p, a in zip(logp.tolist(), behaviour.tolist(), prox.tolist(), adv.tolist()):
+        r, c = math.exp(lp - b), math.exp(p - b)
+        terms.append(min(r * a, min(max(r, c - eps), c + eps) * a))
+    return -sum(terms) / len(terms)
+
+
+def test_the_log_ratio_clamp_changes_nothing_in_the_normal_range():
+    gen = torch.Generator().manual_seed(0)
+    logp, behaviour, prox = (torch.randn(64, generator=gen) * 3 - 5 for _ in range(3))  # |log r| up to ~20
+    adv = torch.randn(64, generator=gen)
+    keep = ((logp - behaviour).abs() < 19) & ((prox - behaviour).abs() < 19)
+    logp, behaviour, prox, adv = (x[keep][None] for x in (logp, behaviour, prox, adv))
+    loss, _ = remix.mix_ppg_loss(logp, behaviour, prox, adv, torch.ones_like(adv), 0.2)
+    assert loss.item() == pytest.approx(naive_mix_ppg(logp[0], behaviour[0], prox[0], adv[0], 0.2), rel=1e-5)
+    k3 = remix.k3_kl(logp, prox)[0]
+    assert k3.tolist() == pytest.approx([math.exp(q - p) - (q - p) - 1 for p, q in zip(logp[0].tolist(),
+                                                                                         prox[0].tolist())], rel=1e-4)
+
+
+def test_a_historical_token_whose_ratio_overflows_float32_gives_a_finite_loss_and_gradient():
+    """pi/mu = e^100 (a token mu sampled at e^-100): unclamped, e^100 is inf in float32 and the loss inf or NaN."""
+    behaviour = torch.tensor([[-100.0, -1.0]])
+    logp = torch.tensor([[0.0, -1.2]], requires_grad=True)
+    prox, adv, mask = torch.tensor([[-0.5, -1.1]]), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    assert not torch.isfinite(torch.exp(logp - behaviour)).all()  # what the clamp guards against
+    loss, stats = remix.mix_ppg_loss(logp, behaviour, prox, adv, mask, 0.2)
+    kl = remix.kl_convex_loss(logp, torch.tensor([[90.0, -1.0]]), prox, 0.5, mask)
+    (loss + kl).backward()
+    assert torch.isfinite(loss) and torch.isfinite(kl) and torch.isfinite(logp.grad).all()
+    assert torch.isfinite(stats["approx_kl"]) and torch.isfinite(stats["clipfrac"])
+    c = remix.truncated_trace(prox, behaviour, mask)
+    assert c[0].tolist() == pytest.approx([1.0, math.exp(-0.1)], rel=1e-6)  # min(c_bar, e^99.5) = 1
+    # the second token, in range, is exactly its unclamped term: -min(r A, clip(r, c +- eps) A) / 2 tokens
+    r, centre = math.exp(-0.2), math.exp(-0.1)
+    first = -min(math.exp(20.0) * 1.0, min(max(math.exp(20.0), math.exp(20.0) - 0.2), math.exp(20.0) + 0.2))
+    assert loss.item() == pytest.approx((first - min(r * -1.0, min(max(r, centre - 0.2), centre + 0.2) * -1.0)) / 2,
+                                        rel=1e-5)
+
+
 def test_clipped_value_loss_by_hand():
     v, old, target = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[2.0, 0.4]])
     mask = torch.tensor([[True, True]])
@@ -621,7 +690,7 @@ def test_sampler_mismatch_sums_by_hand():
               "sampler_weight": torch.tensor([2.0])},
              {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": None}]  # the hf sampler: nothing to compare
     gaps = [0.0, -1.0, 1.0]  # log pi_trainer - log pi_sampler on the three vLLM tokens
-    abs_sum, k3_sum, outside, weight_sum, count, largest = run.sampler_mismatch(fresh)
+    abs_sum, k3_sum, outside, weight_sum, count, largest = metrics.sampler_mismatch(fresh)
     assert abs_sum == pytest.approx(2.0) and largest == pytest.approx(1.0) and count == 3
     assert k3_sum == pytest.approx(sum(math.exp(g) - 1 - g for g in gaps))
     assert outside == 2  # e^-1 = 0.37 and e^1 = 2.72 leave [0.5, 2]
@@ -630,7 +699,7 @@ def test_sampler_mismatch_sums_by_hand():
 
 def test_sampler_correction_needs_vllm(tiny_model, train_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        run.check_args(remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, sampler="hf", sampler_is_cap=2.0)))
+        flags.check_args(remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, sampler="hf", sampler_is_cap=2.0)))
     assert exit_info.value.code == 2
     assert "--sampler-is-cap needs --sampler vllm" in capsys.readouterr().err
 
@@ -840,7 +909,8 @@ def test_step_metrics_adv_scale_and_trace_product_by_hand():
     adv = {"mask": mask, "advantages": advantages, "trace_c": trace_c, "log_ratio": log_ratio}
     dist.padding.clear()
     dist.padding.update(tokens=6, slots=8)
-    record = run.step_metrics(3, fresh, history, adv, {}, remix.Args(group_size=1, vtrace_c_bar=1.0))
+    diagnostics = remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=1, vtrace_c_bar=1.0))
+    record = metrics.step_metrics(3, fresh, history, diagnostics, {})
     # mean |A| over historical tokens (0.5 + 0.5 + 1) / 3, over fresh ones (2 + 2 + 1) / 3
     assert record["offpolicy/adv_scale"] == pytest.approx((2 / 3) / (5 / 3))
     assert record["offpolicy/trace_prod_mean"] == pytest.approx(0.5 * 0.8 * 1.0)
@@ -851,6 +921,34 @@ def test_step_metrics_adv_scale_and_trace_product_by_hand():
     assert record["replay/mean_age"] == 2.0 and record["batch/fresh"] == 2 and record["batch/historical"] == 1
     assert record["perf/padding"] == pytest.approx(0.25)
     assert record["reward/mean"] == 0.5 and record["response/truncated"] == 0.5
+    assert "losses/explained_variance" not in record  # no critic: nothing to explain
+    # with a critic: targets (1, 2, 3, 4), values (1, 1, 3, 5): residuals (0, 1, 0, -1), Var 0.5 against Var 1.25
+    for s, (target, value) in zip(fresh + history, (([1.0, 2.0], [1.0, 1.0]), ([3.0], [3.0]), ([4.0], [5.0]))):
+        s["value_targets"], s["values"] = torch.tensor(target), torch.tensor(value)
+    record = metrics.step_metrics(3, fresh, history, diagnostics, {})
+    assert record["losses/explained_variance"] == pytest.approx(1 - 0.5 / 1.25)
+
+
+def test_zero_std_groups_counts_fresh_groups_whose_rewards_all_agree():
+    """GRPO's groups with no spread of reward (A_hat = 0 on every response): of the fresh groups (1, 1), (0, 1) and
+    (0, 0), two; the historical responses after them are not a group of this step's."""
+    fresh = [{"reward": r, "response_ids": [0], "truncated": False, "reflects": False, "version": 2}
+             for r in (1.0, 1.0, 0.0, 1.0, 0.0, 0.0)]
+    history = [{"reward": 1.0, "response_ids": [0], "truncated": False, "reflects": False, "version": 1}] * 2
+    mask = torch.ones(8, 1, dtype=torch.bool)
+    adv = {"mask": mask, "advantages": torch.zeros(8, 1), "trace_c": torch.ones(8, 1), "log_ratio": torch.zeros(8, 1)}
+    dist.padding.update(tokens=8, slots=8)
+    record = metrics.step_metrics(2, fresh, history, remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=2)),
+                                  {})
+    assert record["reward/zero_std_groups"] == pytest.approx(2 / 3)
+    assert record["batch/historical"] == 2 and record["offpolicy/ratio_mean"] == 1.0
+
+
+def test_approx_kl_is_cleanrls_estimate_against_pi_k():
+    logp, prox = torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([[-1.2, -1.9, -0.5]])
+    _, stats = remix.mix_ppg_loss(logp, prox, prox, torch.ones(1, 3), torch.tensor([[1, 1, 0]]), 0.2)
+    r = [math.exp(0.2), math.exp(-0.1)]  # pi_theta / pi_k on the two response tokens
+    assert stats["approx_kl"].item() == pytest.approx(sum(x - 1 - math.log(x) for x in r) / 2, rel=1e-5)
 
 
 def test_cached_reference_logprobs_equal_a_fresh_computation(tiny_model, train_file, tmp_path):

@@ -2,7 +2,7 @@
 (share graded right), and against another problem's gold answer (false passes).
 
     python benchmarks/solution_grading.py [--out FILE] [--failures] [--near-misses] [--workers 2]
-    python benchmarks/solution_grading.py --samples runs/solutions.jsonl && python eval.py --regrade runs/solutions.jsonl
+    python benchmarks/solution_grading.py --samples runs/solutions.jsonl && python eval.py --regrade runs/solutions.jsonl --out runs/solutions
 
 MATH500, Minerva and AIME 2024 rows carry a `solution` whose last \\boxed{} is the answer; the grader (grade_many)
 grades it as a model's response (Minerva: against every form in `answers`). For the wrong pairs, each solution
@@ -35,7 +35,7 @@ def grade_many(items: list[tuple[str, list[str]]], workers: int) -> list[tuple]:
     """The answer check over (response, answers) items in worker processes."""
     from machinery import evaluation
 
-    return evaluation.grade_many(items, workers)
+    return evaluation.grade_many(remix.METHOD, items, workers)
 
 
 def grade_any(response: str, answers: list[str]) -> float:

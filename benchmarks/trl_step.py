@@ -44,7 +44,7 @@ def main():
 
         def reward(completions, answer, **kwargs):
             texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-            return [g[0] for g in evaluation.grade_many(list(zip(texts, [[a] for a in answer])), workers=1)]
+            return [g[0] for g in evaluation.grade_many(remix.METHOD, list(zip(texts, [[a] for a in answer])), workers=1)]
 
         marks = []
 

@@ -6,8 +6,14 @@ call (`dist.all_reduce(...)`, `engines.push_weights(...)`), and nothing here cha
     engines      the samplers: the vLLM engine (start, generate, weight push, sleep) and transformers' generate
     grader       worker processes with a hard deadline per task (math-verify can hang inside C code)
     data         training problems from files or the hub, checked row by row; the prompt stream
-    run          flags and up-front checks, the run folder and its lock, logs and metrics, interrupts, the guard
-                 against non-finite updates, and the session that ties them to train()
+    run          a program's entry and the Session that ties the modules below to train()
+    flags        each numeric flag's range, read from its docstring; impossible combinations; model path and hub
+    runfolder    where a run may write, its lock, refusing to clobber a run, files rewritten whole
+    logs         metrics.jsonl, completions.jsonl, TensorBoard and wandb, trimmed on resume
+    metrics      the step's record, combined over the ranks from what the method hands over
+    guard        a non-finite loss or gradient skips the update; three in a row stop the run
+    signals      Ctrl-C, SIGTERM and SIGHUP end a program with one line that says what is kept
+    messages     one clear line: fail (exit 2) and say, from the first process only
     checkpoints  checkpoints written atomically, read without executing anything, and exact resume
     evaluation   Pass@1 on the benchmarks, for eval.py and for evaluation during training
     deepscaler   DeepScaleR's answer rules (the grader behind the paper's numbers), for eval.py --grader deepscaler

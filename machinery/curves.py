@@ -7,7 +7,7 @@ A reader of the method may skip this module.
 import json
 import os
 
-from machinery import run
+from machinery.messages import fail, say
 
 
 def read_runs(folders) -> dict:
@@ -16,7 +16,7 @@ def read_runs(folders) -> dict:
     for folder in folders:
         path = os.path.join(folder, "metrics.jsonl")
         if not os.path.isfile(path):
-            run.fail(f"--curves {folder}: no metrics.jsonl there (pass remix.py run folders)", "eval")
+            fail(f"--curves {folder}: no metrics.jsonl there (pass remix.py run folders)", "eval")
         records = []
         with open(path) as f:
             for line in f:
@@ -47,7 +47,7 @@ def draw(folders, out: str) -> dict:
     benchmarks = sorted({k.split("/")[1] for records in runs.values() for r in records for k in r
                          if k.startswith("eval/") and k.endswith("/pass@1") and k.split("/")[1] != "average"})
     if not benchmarks:
-        run.fail("--curves: the runs logged no evaluation (eval/*/pass@1); train with --eval-every K", "eval")
+        fail("--curves: the runs logged no evaluation (eval/*/pass@1); train with --eval-every K", "eval")
     os.makedirs(out, exist_ok=True)
     drawn = {}
     panels = ["average"] + benchmarks
@@ -82,5 +82,5 @@ def draw(folders, out: str) -> dict:
     fig.tight_layout()
     fig.savefig(os.path.join(out, name), dpi=100)
     plt.close(fig)
-    run.say(f"drew {', '.join(drawn)} in {out}", "eval")
+    say(f"drew {', '.join(drawn)} in {out}", "eval")
     return drawn

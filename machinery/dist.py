@@ -81,7 +81,7 @@ def finish(llm=None):
 
 
 def per_rank(n: int) -> int:
-    """Each rank's part of a global count (run.check_args checks that it divides)."""
+    """Each rank's part of a global count (flags.check_args checks that it divides)."""
     return n // world()
 
 
@@ -177,7 +177,7 @@ def unsharded(model):
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     saved = [(m._get_fsdp_state()._auto_reshard_after_forward,
-              [g.post_forward_mesh_info for g in m._get_fsdp_state()._fsdp_param_groups]) for m in modules]
+              [g.post_forward_mesh_info for g in _param_groups(m._get_fsdp_state())]) for m in modules]
     for m in modules:
         m.unshard()
         m.set_reshard_after_forward(False, recurse=False)
@@ -188,8 +188,17 @@ def unsharded(model):
             m.reshard()
             state = m._get_fsdp_state()
             state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
+            for group, info in zip(_param_groups(state), infos):
                 group.post_forward_mesh_info = info
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: torch 2.13 and 2.14 keep a list (`_fsdp_param_groups`), 2.11 one group or
+    None (`_fsdp_param_group`); `_auto_reshard_after_forward` and `post_forward_mesh_info` are in all three (read
+    in each version's fsdp/_fully_shard sources)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [group] if (group := state._fsdp_param_group) is not None else []
 
 
 def full_tensors(model):
@@ -204,20 +213,18 @@ def clip_grad_norm(model, max_norm: float) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
 
 
-def backward_share(loss: torch.Tensor, share: torch.Tensor):
-    """Backward of one micro-batch's loss, weighted by its share of the mini-batch's mean. FSDP averages the
-    gradients over the ranks, and each rank's shares already sum to its part of the whole: undo the average."""
-    (loss * share.to(loss.device) * world()).backward()
-
-
 # ----------------------------------------------------------------------------------------------
 # Mini- and micro-batches: the same cut on every rank, stand-ins where a rank has nothing
 # ----------------------------------------------------------------------------------------------
 # What an empty rank runs so that it joins the other ranks' FSDP gathers and reductions, in their order: a
-# one-token sample whose response mask is empty (collate), so every loss term and its gradient are 0.
-STAND_IN = {"prompt_ids": [0], "response_ids": [0], "stand_in": True, "reward": 0.0, "group": -1, "version": 0,
-            **{key: torch.zeros(1) for key in ("behaviour_logp", "ref_logp", "prox_logp", "values", "advantages",
-                                               "value_targets", "sampler_weight")}}
+# one-token sample whose response mask is empty (collate), so every loss term and its gradient are 0. Any
+# per-token field the method reads of it (a fork's too) is one zero: the stand-in never lists the fields.
+class StandIn(dict):
+    def __missing__(self, key):
+        return torch.zeros(1)
+
+
+STAND_IN = StandIn(prompt_ids=[0], response_ids=[0], stand_in=True, reward=0.0, group=-1, version=0)
 MAX_PADDING = 0.1  # a micro-batch is at most 10% wider than its shortest sample: padding costs its full share
 padding = collections.Counter()  # token slots and real tokens of every micro-batch since the last step's record
 

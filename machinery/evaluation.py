@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery import data, dist, grader, run
+from machinery import data, dist, grader, runfolder
+from machinery.messages import fail, say
 
 # name -> (file in the benchmark folder, hub id, hub config, hub split); "all" is the paper's five
 BENCHMARKS = {
@@ -42,7 +43,7 @@ def resolve(names, prog: str = "remix") -> list[str]:
             elif part in BENCHMARKS:
                 chosen.append(part)
             else:
-                run.fail(f"unknown benchmark {part!r}; valid names: {', '.join(BENCHMARKS)}, all", prog)
+                fail(f"unknown benchmark {part!r}; valid names: {', '.join(BENCHMARKS)}, all", prog)
     return list(dict.fromkeys(chosen))
 
 
@@ -68,14 +69,14 @@ def load_benchmark(name: str, data_dir: str | None, limit: int | None, hub: bool
     else:
         folder = Path(data_dir) if data_dir else data_root() / "benchmarks"
         if not folder.is_dir():
-            run.fail(f"benchmark folder {str(folder)!r} does not exist (pass --data-dir, or --hub)", prog)
+            fail(f"benchmark folder {str(folder)!r} does not exist (pass --data-dir, or --hub)", prog)
         path = folder / local
         if not path.is_file():
-            run.fail(f"benchmark file {str(path)!r} does not exist (expected {local} in the benchmark folder)", prog)
+            fail(f"benchmark file {str(path)!r} does not exist (expected {local} in the benchmark folder)", prog)
         try:
             rows = data.parse_rows(path.read_text(encoding="utf-8"), str(path), prog)
         except UnicodeDecodeError as error:
-            run.fail(f"benchmark file {str(path)!r} is not UTF-8 text (byte {error.start})", prog)
+            fail(f"benchmark file {str(path)!r} is not UTF-8 text (byte {error.start})", prog)
         where = str(path)
     problems = []
     for i, row in enumerate(rows[:limit]):
@@ -85,7 +86,7 @@ def load_benchmark(name: str, data_dir: str | None, limit: int | None, hub: bool
                                                           f"{where}: row {i + 1}'s problem"),
                              "answers": gold_answers(row, f"{where}: row {i + 1}")})
         except ValueError as error:
-            run.fail(str(error), prog)
+            fail(str(error), prog)
     return problems
 
 
@@ -97,12 +98,13 @@ def load_benchmarks(names, data_dir: str | None, limit: int | None, hub: bool = 
 # Generation over the ranks, and grading
 # ----------------------------------------------------------------------------------------------
 def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-             max_tokens: int, seed: int, tp: int = 1, batch_size: int = 64, sleep: bool = False,
+             max_tokens: int, seed: int, tp: int = 1, batch_size: int = 64,
              progress: bool = True) -> list[list[tuple]]:
     """n responses per prompt, [[(text, tokens, finish_reason), ...] per prompt] on every rank. The prompts are
     split over the engines (one per rank, or per `tp` ranks), each engine's responses gathered. sampler is a vLLM
     engine or a transformers model. Each prompt's request seed depends on its index alone, so one process and
-    several draw the same responses. sleep: a sleeping engine (training's, on GPU) wakes its KV cache for this."""
+    several draw the same responses. A vLLM engine is awake here: training's engine sleeps only between its sample
+    and its push (engines' sleep contract)."""
     from machinery import engines
 
     share = math.ceil(len(prompts) / (dist.world() // tp))
@@ -114,7 +116,7 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
         # every rank joins: a sharded policy gathers its weights (collectives) even for no prompts
         raw = engines.hf_generate(sampler, tokenizer, batch, n, temperature, top_p, max_tokens, batch_size, seeds)
     else:
-        raw = engines.vllm_generate(sampler, batch, n, seeds, temperature, top_p, max_tokens, sleep=sleep,
+        raw = engines.vllm_generate(sampler, batch, n, seeds, temperature, top_p, max_tokens,
                                     logprobs=False, use_tqdm=progress and dist.rank() == 0) if batch else []
     texts = [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish, _ in group]
              for group in raw]
@@ -126,33 +128,34 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
     return out
 
 
-def grade_any(response: str, answers: list[str]) -> tuple[float, str]:
-    """remix.grade_response's best grade over the accepted forms of the answer (Minerva lists several). It runs
-    in a grader worker, which imports the remix.py beside this package (a fork's own)."""
-    import remix
-
-    return max((remix.grade_response(response, answer) for answer in answers), key=lambda graded: graded[0])
-
-
-def _warm_math_verify():
-    import remix
-
-    remix.parse_boxed("1")
+def grade_any(check: tuple, response: str, answers: list[str]) -> tuple[float, str]:
+    """The best grade of the method's answer check over the accepted forms of the answer (Minerva lists several).
+    It runs in a grader worker; check is grader.reference(the method's grade_response), a fork's own."""
+    grade_response = grader.resolve(check)
+    return max((grade_response(response, answer) for answer in answers), key=lambda graded: graded[0])
 
 
-def grade_many(items: list[tuple[str, list[str]]], workers: int = 2, timeout: float = 20.0) -> list[tuple]:
+def grade_many(method, items: list[tuple[str, list[str]]], workers: int = 2, timeout: float = 20.0) -> list[tuple]:
     """grade_any over (response, answers) items in worker processes with a hard limit per answer: some answers
     hang math-verify inside C code, where its own alarm never fires. Past it: (0.0, "timeout")."""
-    return grader.map_with_deadline(grade_any, items, workers, timeout, (0.0, "timeout"), warm=_warm_math_verify)
+    check = grader.reference(method.grade_response)
+    return grader.map_with_deadline(grade_any, [(check, *item) for item in items], workers, timeout,
+                                    (0.0, "timeout"), warm=method.warm, warm_args=method.warm_args)
+
+
+def math_reward(method, response: str, answer) -> float:
+    """The method's answer check, 1.0 or 0.0, of one response against a gold answer (a string or a number), in a
+    grader worker with a 4 s deadline: evaluation.math_reward(remix.METHOD, "so \\boxed{2}", 2) -> 1.0."""
+    return grade_many(method, [(response, [data.answer_text(answer)])], timeout=4.0)[0][0]
 
 
 def grade(method, samples: list[dict], workers: int, timeout: float):
-    """Each sample graded by both answer checks: `correct`/`status` by math-verify (grade_any), and
-    `correct_deepscaler` by DeepScaleR's rules; `extracted` is the answer math-verify read."""
+    """Each sample graded by both answer checks: `correct`/`status` by the method's (math-verify, grade_any), and
+    `correct_deepscaler` by DeepScaleR's rules; `extracted` is the answer the method's final_answer reads."""
     from machinery import deepscaler
 
     items = [(s["response"], s["answers"]) for s in samples]
-    graded = grade_many(items, workers, timeout)
+    graded = grade_many(method, items, workers, timeout)
     rules = grader.map_with_deadline(deepscaler.grade_any, items, workers, timeout, (0.0, "timeout"))
     for s, (reward, status), (other, _) in zip(samples, graded, rules):
         s.update(correct=reward == 1.0, status=status, correct_deepscaler=other == 1.0,
@@ -232,14 +235,14 @@ def during_training(session, step: int) -> dict:
     sampler = session.llm if session.llm is not None else session.models["policy"]
     max_tokens = args.eval_max_tokens or args.max_response_tokens
     generated = generate(sampler, session.tokenizer, prompts, 1, 0.0, 1.0, max_tokens, args.seed, args.vllm_tp,
-                         args.mini_batch_prompts, sleep=args.vllm_sleep, progress=False)
+                         args.mini_batch_prompts, progress=False)
     record = {}
     if dist.rank() == 0:
         samples = records(problems, generated, "greedy", 0, args.seed)
         grade(method, samples, args.grader_workers, args.grade_timeout)
         os.makedirs(os.path.join(args.out, "eval"), exist_ok=True)
         write_jsonl(os.path.join(args.out, "eval", f"step-{step}.jsonl"), samples)
-        table = summarize(samples, method.SELF_REFLECTION_WORDS)["greedy"]
+        table = summarize(samples, method.reflection_words)["greedy"]
         for name, entry in table.items():
             record.update({f"eval/{name}/pass@1": entry["pass@1"], f"eval/{name}/mean_tokens": entry["mean_tokens"],
                            f"eval/{name}/self_reflection": entry["self_reflection"]})
@@ -254,6 +257,9 @@ def records(problems: list[dict], generated: list[list[tuple]], label: str, repe
 
 
 def write_jsonl(path: str, rows: list[dict], mode: str = "w"):
+    """rows as a new file (written aside and renamed over path: never half a file), or appended (mode "a")."""
+    if mode == "w":
+        return runfolder.replace_file(path, [json.dumps(r) + "\n" for r in rows])
     with open(path, mode) as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
         f.flush()
@@ -262,10 +268,11 @@ def write_jsonl(path: str, rows: list[dict], mode: str = "w"):
 
 def read_samples(path: str, prog: str = "eval", partial: bool = False) -> list[dict]:
     """The sample records of a samples.jsonl, each checked: benchmark, id, response, and answers (a list of
-    strings or numbers; one bare string or number is one answer). partial: an unreadable last line (a write cut
+    strings or numbers; one bare string or number is one answer); where given, run and benchmark are strings and
+    repeat, sample and response_tokens whole numbers. partial: an unreadable last line (a write cut
     short) is dropped instead of refused."""
     if not os.path.isfile(path):
-        run.fail(f"samples file {path!r} does not exist", prog)
+        fail(f"samples file {path!r} does not exist", prog)
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.read().split("\n")
     samples, last = [], max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
@@ -281,19 +288,25 @@ def read_samples(path: str, prog: str = "eval", partial: bool = False) -> list[d
                 raise ValueError(f"no {', '.join(missing)}")
             if not isinstance(record["response"], str):
                 raise ValueError("'response' is not a string")
+            for key, kind in (("benchmark", str), ("run", str), ("repeat", int), ("sample", int),
+                              ("response_tokens", int)):  # the summary groups and averages by them
+                if key in record and (not isinstance(record[key], kind) or isinstance(record[key], bool)
+                                      or kind is int and record[key] < 0):
+                    raise ValueError(f"'{key}' is {json.dumps(record[key])[:40]}, not "
+                                     + ("a string" if kind is str else "a whole number >= 0"))
             answers = record["answers"] if isinstance(record["answers"], list) else [record["answers"]]
             record["answers"] = [data.answer_text(a, "an entry of 'answers'") for a in answers] or \
                 [data.answer_text(None, "'answers'")]
-        except (json.JSONDecodeError, ValueError) as error:
+        except (ValueError, RecursionError) as error:  # bad JSON, an integer past Python's digits, deep nesting
             if partial and number == last:
-                run.say(f"{path}: dropped an unreadable last line (a write cut short)", prog)
+                say(f"{path}: dropped an unreadable last line (a write cut short)", prog)
                 continue
-            run.fail(f"{path}: line {number} is not a sample record ({error})", prog)
+            fail(f"{path}: line {number} is not a sample record ({error})", prog)
         record.setdefault("run", "greedy")
         record.setdefault("repeat", 0)
         record.setdefault("sample", 0)
         record.setdefault("response_tokens", 0)
         samples.append(record)
     if not samples and not partial:
-        run.fail(f"samples file {path!r} holds no samples", prog)
+        fail(f"samples file {path!r} holds no samples", prog)
     return samples

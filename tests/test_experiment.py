@@ -61,6 +61,7 @@ def test_the_evaluation_during_training_is_eval_pys_on_the_checkpoint(tiny_model
         assert rows[-1][f"eval/{name}/mean_tokens"] == summary[name]["mean_tokens"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_eval_and_the_evaluation_during_training_split_over_two_processes_as_one(tiny_model, train_file, tmp_path):
     flags = ["--model", tiny_model, "--benchmarks", "aime24", "amc83", "--limit", "3", "--max-tokens", "6",
@@ -97,6 +98,7 @@ def test_completions_are_logged_to_read(tiny_model, train_file, tmp_path):
     assert any(r["historical"] for r in rows) and not any(r["historical"] for r in rows if r["step"] == 1)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_curves_are_drawn_from_two_runs(tiny_model, train_file, tmp_path):
     for name in ("a", "b"):

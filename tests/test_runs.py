@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a script, under torchrun
 
 import remix  # noqa: E402
-from machinery import checkpoints, data, dist, engines, evaluation, grader, models, run  # noqa: E402
+from machinery import checkpoints, data, dist, engines, evaluation, grader, models, run, signals  # noqa: E402
 from test_remix import prepared_update_case, run_update  # noqa: E402
 from tests.common import DATA, ROOT, full_state, read_metrics, tiny_args, wait_into_step_3  # noqa: E402
 
@@ -84,6 +85,7 @@ def test_vllm_ppo_and_grpo_end_to_end(tiny_model, train_file, tmp_path):
     assert [(r["batch/fresh"], r["batch/historical"]) for r in rows] == [(8, 0), (8, 8), (8, 8)]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_cli_runs_and_rejects_bad_flags(tiny_model, train_file, tmp_path):
     cmd = [sys.executable, str(HERE / "remix.py"), "--model", tiny_model, "--dataset", train_file,
@@ -116,7 +118,7 @@ def comparable(row: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampler", ["hf", "vllm"])
+@pytest.mark.parametrize("sampler", [pytest.param("hf", marks=pytest.mark.long), "vllm"])
 def test_resume_after_sigkill_matches_an_uninterrupted_run(sampler, tiny_model, train_file, tmp_path):
     """vLLM too: every request's seed is a function of (seed, step, prompt), so a new engine resamples the same."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -227,11 +229,11 @@ def test_a_model_folder_without_a_model_and_a_missing_vllm_get_one_line(tmp_path
 def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
     """Python drops an exception raised in a __del__ and reports it to sys.unraisablehook: the hook stays quiet
     about the interrupt, the flag remembers it, and the loop's next check raises it."""
-    monkeypatch.setattr(run, "_interrupt", {"seen": None})
+    monkeypatch.setattr(signals, "_interrupt", {"seen": None})
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        run.catch_interrupts()
+        signals.catch_interrupts()
         reported = []
         sys.unraisablehook.__defaults__ = (lambda report: reported.append(report),)
 
@@ -240,9 +242,9 @@ def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
                 signal.raise_signal(signal.SIGINT)
 
         Finaliser()  # the SIGINT lands in __del__: its KeyboardInterrupt is dropped
-        assert run.interrupted() and reported == []
+        assert signals.interrupted() and reported == []
         with pytest.raises(KeyboardInterrupt):
-            run.check_interrupted()
+            signals.check_interrupted()
         sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("other")))
         assert len(reported) == 1  # anything else still goes to the default hook
     finally:
@@ -269,6 +271,7 @@ def test_bad_dataset_gets_one_clear_line(tiny_model, tmp_path, capsys, case):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("response", [
     "\\boxed{10^{10^{10^{10}}}}",
@@ -282,7 +285,7 @@ def test_math_reward_never_hangs_or_raises(response):
     included) when the previous input's timeout killed the last one."""
 
     start = time.perf_counter()
-    assert remix.math_reward(response, "1") == 0.0
+    assert evaluation.math_reward(remix.METHOD, response, "1") == 0.0
     assert time.perf_counter() - start < 10.0
 
 
@@ -363,8 +366,9 @@ def test_one_non_finite_update_is_skipped_and_the_run_carries_on_with_finite_wei
 # ----------------------------------------------------------------------------------------------
 # The grader from any caller; a checkpoint that cannot be written
 # ----------------------------------------------------------------------------------------------
-GRADE = ("import sys, time; sys.path.insert(0, {here!r}); import remix; start = time.perf_counter(); "
-         "print(remix.math_reward('so \\\\boxed{{2}}', '2'), remix.math_reward('\\\\boxed{{3}}', '2'), "
+GRADE = ("import sys, time; sys.path.insert(0, {here!r}); import remix; from machinery import evaluation; "
+         "start = time.perf_counter(); reward = lambda r: evaluation.math_reward(remix.METHOD, r, '2'); "
+         "print(reward('so \\\\boxed{{2}}'), reward('\\\\boxed{{3}}'), "
          "round(time.perf_counter() - start, 1))")
 
 
@@ -389,6 +393,17 @@ def test_a_failing_or_vanishing_worker_function_stops_with_its_error():
     grader.close_pool()
 
 
+def test_a_slow_first_import_of_a_task_is_no_part_of_its_deadline(tmp_path, monkeypatch):
+    """A worker imports a task's module before its first item (math-verify and sympy take seconds on a loaded
+    machine): the item's deadline starts after the import, so a 2 s import under a 1 s deadline is no timeout."""
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(2)\ndef triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import slow_to_import
+
+    assert grader.map_with_deadline(slow_to_import.triple, [(2,), (5,)], 1, 1.0, "timeout") == [6, 15]
+    grader.close_pool()
+
+
 def test_a_worker_function_must_be_importable(monkeypatch):
     main = types.ModuleType("__main__")  # an interactive session's __main__ has no file
     monkeypatch.setitem(sys.modules, "__main__", main)
@@ -400,11 +415,12 @@ def test_a_worker_function_must_be_importable(monkeypatch):
 @pytest.mark.slow
 def test_worker_pool_runs_the_function_it_is_given():
     """Workers outlive a call; a call with another function must not get the old function's answers."""
-    assert evaluation.grade_many([("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
+    assert evaluation.grade_many(remix.METHOD, [("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
     assert grader.map_with_deadline(double, [(3,), (4,)], 2, 10.0, None) == [6, 8]
-    assert evaluation.grade_many([("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
+    assert evaluation.grade_many(remix.METHOD, [("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["script-with-guard", "script-without-guard", "python-c", "stdin", "interactive"])
 def test_math_reward_works_from_every_kind_of_caller(shape, tmp_path):
@@ -420,6 +436,28 @@ def test_math_reward_works_from_every_kind_of_caller(shape, tmp_path):
     right, wrong, seconds = done.stdout.split()[-3:]
     assert (right, wrong) == ("1.0", "0.0")
     assert float(seconds) < 10.0  # a hang guard (worker start-up included), not a speed claim
+
+
+def test_a_checkpoint_holds_one_models_whole_weights_on_the_host_at_a_time(tiny_model, train_file, tmp_path,
+                                                                           monkeypatch):
+    """checkpoints.save gathers each model's full state dict on rank 0's host: the one written before (two fp32
+    7B copies would be 56 GB) must be freed before the next is gathered."""
+    import weakref
+
+    import torch.distributed.checkpoint.state_dict as dcp_state
+
+    real, alive_at_call = dcp_state.get_model_state_dict, []
+    earlier: list = []
+
+    def gather(model, **kwargs):
+        alive_at_call.append(sum(ref() is not None for ref in earlier))
+        full = real(model, **kwargs)
+        earlier.extend(weakref.ref(t) for t in full.values())
+        return full
+
+    monkeypatch.setattr(dcp_state, "get_model_state_dict", gather)
+    remix.train(tiny_args(tiny_model, train_file, tmp_path, algo="ppo", steps=1, save_every=1))
+    assert alive_at_call == [0, 0]  # the policy's, then the critic's: nothing of the policy's left at the second
 
 
 def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tiny_model, train_file, tmp_path, monkeypatch,
@@ -464,6 +502,7 @@ def one_error_line(done: subprocess.CompletedProcess, text: str):
         done.stderr[-2000:]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_mistyped_local_model_folder_fails_in_seconds(tmp_path, train_file):
     (tmp_path / "runs").mkdir()
@@ -476,6 +515,7 @@ def test_a_mistyped_local_model_folder_fails_in_seconds(tmp_path, train_file):
     assert time.perf_counter() - start < 60  # a hang guard: the hub's retries took 50 s for each
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("offline", [False, True])
 def test_hub_ids_without_the_hub_fail_in_seconds(tmp_path, offline):
@@ -493,6 +533,7 @@ def test_hub_ids_without_the_hub_fail_in_seconds(tmp_path, offline):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_an_existing_run_is_not_clobbered(tiny_model, train_file, tmp_path):
     out = tmp_path / "run"
@@ -527,6 +568,7 @@ def child_pids(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.3, 0.9, 1.6])
 def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, delay):
@@ -561,6 +603,7 @@ def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, del
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers)  # the grader workers are gone
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_vllm_run_is_quiet_and_its_progress_bar_is_in_step(tiny_model, train_file, tmp_path):
     out = tmp_path / "run"
@@ -581,6 +624,7 @@ def test_a_vllm_run_is_quiet_and_its_progress_bar_is_in_step(tiny_model, train_f
     assert shown[-1] == (3, totals[3])
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_help_shows_one_default_per_flag():
     done = subprocess.run([sys.executable, str(HERE / "remix.py"), "--help"], capture_output=True, text=True, timeout=120,
@@ -602,6 +646,7 @@ def torchrun(*argv, timeout=600, env=None) -> subprocess.CompletedProcess:
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_two_processes_make_the_same_update_as_one(algo, tiny_model, train_file, tmp_path):
@@ -680,7 +725,8 @@ def remix_cli(model, data, out, *extra) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm"), ("ppo", "vllm")])
+@pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), pytest.param("ppo", "hf", marks=pytest.mark.long),
+                                           pytest.param("grpo", "vllm", marks=pytest.mark.long), ("ppo", "vllm")])
 def test_torchrun_two_processes_end_to_end(algo, sampler, tiny_model, train_file, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -709,6 +755,7 @@ def test_torchrun_two_processes_end_to_end(algo, sampler, tiny_model, train_file
     assert all(torch.equal(reference[k], pi_t[k]) for k in pi_t)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_ranks_share_one_tensor_parallel_engine(tiny_model, train_file, tmp_path):
     """--vllm-tp 2: both ranks drive one engine sharded over them and draw the same tokens for its prompts (each
@@ -727,6 +774,7 @@ def test_two_ranks_share_one_tensor_parallel_engine(tiny_model, train_file, tmp_
     assert ranks[0][0][0] != ranks[0][0][1]  # and the prompts' own seeds differ
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_every_collective_waits_at_most_the_dist_timeout(tmp_path):
     done = torchrun(str(HERE / "tests" / "test_runs.py"), "timeout", "8", timeout=120)
@@ -746,6 +794,7 @@ def worker_pids(agent: int) -> dict[int, int]:
     return ranks
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_job_and_resume_completes_it(tiny_model, train_file, tmp_path):
 
@@ -768,6 +817,24 @@ def test_a_killed_rank_ends_the_job_and_resume_completes_it(tiny_model, train_fi
     one_error_line(refused, "was trained by 2 processes, this is 1")
 
 
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_resume_on_more_processes_than_the_run_had_says_so(tiny_model, train_file, tmp_path):
+    """The second rank finds no state of its own in any checkpoint: one line saying how many processes trained the
+    run, not a fall-back through every checkpoint."""
+    out = tmp_path / "run"
+    done = run_remix(*remix_cli(tiny_model, train_file, out, "--algo", "grpo", "--sampler", "hf", "--group-size", "2",
+                                "--steps", "2")[1:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = torchrun(str(HERE / "remix.py"), "--resume", str(out), "--steps", "4")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("remix: error:")]
+    assert done.returncode != 0 and errors == [
+        f"remix: error: --resume {str(out)!r}: the run was trained by 1 processes, this is 2; resume it with "
+        f"torchrun --nproc-per-node 1 (or python for 1)"], done.stderr[-3000:]
+    assert "falling back" not in done.stderr and "instead" not in done.stderr
+
+
+@pytest.mark.long
 @pytest.mark.slow
 def test_prompts_that_do_not_split_over_the_processes_are_refused(tiny_model, train_file, tmp_path):
     done = torchrun(*remix_cli(tiny_model, train_file, tmp_path / "run", "--sampler", "hf", "--prompts-per-step", "5"))
@@ -794,6 +861,7 @@ def first_kl_to_reference(monkeypatch) -> list:
     return seen
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "vllm"), ("ppo", "vllm")])
 def test_bf16_runs_in_one_process_with_kl_zero_before_the_first_update(algo, sampler, tiny_model, train_file,
@@ -815,6 +883,7 @@ def test_bf16_runs_in_one_process_with_kl_zero_before_the_first_update(algo, sam
         assert rows[0]["mismatch/abs_log_ratio_mean"] > 0  # a bf16 engine against the trainer's own bf16 passes
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_bf16_under_torchrun_with_kl_zero_before_the_first_update(tiny_model, train_file, tmp_path):
     """Two processes, FSDP2 mixed precision over gloo, bf16 vLLM engines: step 1 takes one optimizer step on the
@@ -829,6 +898,7 @@ def test_bf16_under_torchrun_with_kl_zero_before_the_first_update(tiny_model, tr
     assert rows[0]["mismatch/abs_log_ratio_mean"] > 0
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_fp32_has_kl_zero_before_the_first_update_too(tiny_model, train_file, tmp_path, monkeypatch):
     first = first_kl_to_reference(monkeypatch)
@@ -836,6 +906,7 @@ def test_fp32_has_kl_zero_before_the_first_update_too(tiny_model, train_file, tm
     assert first[0] < 1e-5
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sampler_correction_weights_are_stored_replayed_and_reach_the_loss(tiny_model, train_file, tmp_path,
                                                                            monkeypatch):
@@ -886,6 +957,59 @@ def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
         assert run["finite"] and [s["phase"] for s in run["steps"]] == ["mix", "mix", "on-policy"]
         assert [s["rollouts/total"] for s in run["steps"]] == {"ppo": [6, 12, 22], "grpo": [12, 24, 44]}[algo]
     assert {m["model"] for m in result["micro_batch"]} == {"policy", "critic"}
+    for algo in ("ppo", "grpo"):  # the evaluation at step 0 and at the end; the 1.5B checkpoint never written
+        run = result[f"end_to_end_{algo}"]
+        assert run["evaluated_at"] == [0, 3] and [s["step"] for s in run["checkpoints_not_written"]] == [3]
+    assert result["save_and_resume"]["ok"] and result["save_and_resume"]["steps"] == [3, 3]
+    assert set(result["seconds"]) == {"attention", "fp32", "micro", "grpo", "ppo", "save"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
+
+
+def test_fsdp_parameter_groups_are_read_in_each_torch_layout(tiny_model):
+    """dist.unsharded saves and restores each FSDP2 group's post-forward setting. torch 2.13 and 2.14 keep a
+    state's groups in a list, 2.11 (the lent GPU machine's) in one attribute that may be None: both give the same
+    groups (the 2.11 layout shown by a state object with that one attribute, holding this torch's real group)."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    dist.init()
+    model = dist.shard(AutoModelForCausalLM.from_pretrained(tiny_model), torch.device("cpu"), torch.float32)
+    state = model._get_fsdp_state()
+    groups = dist._param_groups(state)
+    assert groups == list(state._fsdp_param_groups) and len(groups) == 1
+    assert dist._param_groups(types.SimpleNamespace(_fsdp_param_group=groups[0])) == groups
+    assert dist._param_groups(types.SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+@pytest.mark.slow
+def test_the_device_wheel_folder_is_complete_and_small(tmp_path):
+    """benchmarks/device_wheels.py fetches what requirements.txt needs beyond the GPU machine's packages, for its
+    Python 3.12, with every dependency; its check finds a dependency taken out (from PyPI, as pip does)."""
+    helper = [sys.executable, str(HERE / "benchmarks" / "device_wheels.py"), str(tmp_path)]
+    done = subprocess.run(helper, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = {p.name.split("-")[0].lower() for p in tmp_path.glob("*.whl")}
+    assert {"tyro", "math_verify", "latex2sympy2_extended", "antlr4_python3_runtime", "typeguard",
+            "docstring_parser"} <= names and not names & {"torch", "transformers", "vllm", "numpy", "sympy"}
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.whl")) < 48 * 2**20
+    next(tmp_path.glob("typeguard-*.whl")).unlink()
+    done = subprocess.run(helper + ["--check"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "typeguard" in done.stderr and "needed by tyro" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_the_method_imports_without_the_command_lines_parser(tmp_path):
+    """A bare GPU machine has torch and transformers but no tyro: gpu_check imports remix.py there, and
+    `python remix.py` without tyro says what to install, in one line."""
+    hide = "import sys; sys.modules['tyro'] = None; "  # a module set to None cannot be imported
+    done = subprocess.run([sys.executable, "-c", hide + "import remix; print(remix.Args().prompts_per_step)"],
+                          cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
+    main = hide + "sys.argv = ['remix.py', '--help']; import runpy; runpy.run_path('remix.py', run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", main], cwd=HERE, capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "tyro" in lines[0] and "requirements.txt" in lines[0], done.stderr
 
 
 @pytest.mark.slow  # with its benchmark: a fork must not fail an unrelated fast test on its first commit
@@ -899,7 +1023,7 @@ def test_every_planted_bug_of_the_mutation_check_still_applies():
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     assert len(check.MUTANTS) >= 28
-    for name, (path, old, new) in check.MUTANTS.items():
+    for name, (path, old, new, *_) in check.MUTANTS.items():
         assert (HERE / path).read_text().count(old) == 1, f"mutant {name!r}: its code is no longer in {path}"
         assert old != new, name
 
@@ -907,15 +1031,44 @@ def test_every_planted_bug_of_the_mutation_check_still_applies():
 # ----------------------------------------------------------------------------------------------
 # Forking for an ablation: each diff of docs/forks applied to a copy of remix.py and run
 # ----------------------------------------------------------------------------------------------
-FORK_RUN = """import json, sys, types
-sys.path[:0] = [{fork!r}, {here!r}]
-import remix, test_remix
-test_remix.scripted_right_answers(types.SimpleNamespace(setattr=setattr), {data!r})
-state = remix.train(remix.Args(**{args!r}))
-{probe}
+# Every fork of docs/forks in one process: each forked remix.py saved as remix_NAME.py and imported under that
+# name (machinery never imports the method, so each runs its own code, its grader workers included)
+FORKS_RUN = """import collections, importlib.util, json, os, random, sys, time, types, typing
+sys.path[:0] = [{here!r}]
+import test_remix
+from machinery import flags
+from machinery import engines
+from tests.common import bad_values
+generate = engines.hf_generate
+for name, path, algos in json.loads(sys.argv[1]):
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    remix = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(remix)
+    for algo in algos:  # two steps, saved at each; then resumed for a third, from the fork's own checkpoint
+        out = os.path.join(os.path.dirname(path), name + "-" + algo)
+        engines.hf_generate = generate  # the same right answers, drawn anew, for every fork and algorithm
+        test_remix.scripted_right_answers(types.SimpleNamespace(setattr=setattr), {data!r})
+        remix.train(remix.Args(**{args!r}, algo=algo, out=out, group_size=2 if algo == "grpo" else 1))
+        remix.train(remix.Args(resume=out, steps=3))
+    tried, refused, started = 0, 0, time.perf_counter()  # the fork's own flag checks: each value just outside a
+    # numeric flag's range is refused
+    for flag, bound in flags.ranges(remix.Args).items():
+        for value in bad_values(bound, typing.get_type_hints(remix.Args)[flag] in (int, int | None)):
+            tried += 1
+            try:
+                remix.train(remix.Args(**{{**{args!r}, "out": out + "-refused", flag: value}}))
+            except SystemExit as stop:
+                refused += stop.code == 2
+    print("FLAGS", name, round(time.perf_counter() - started, 1), "s", flush=True)
+    random.seed(0)  # the share of 4,000 draws of one group from the newer of two stored batches (uniform: 0.5)
+    replay = collections.deque([[[{{"b": 0}}] for _ in range(4)], [[{{"b": 1}}] for _ in range(4)]], maxlen=2)
+    probe = sum(remix.draw_history(replay, 1)[0][0]["b"] for _ in range(4000)) / 4000
+    print("FORK", json.dumps(dict(name=name, probe=probe, tried=tried, refused=refused, numeric=list(flags.ranges(
+        remix.Args)), budget=getattr(remix, "RESPONSE_BUDGET", {{}}).get("tokens"), refused_out=os.path.exists(
+        out + "-refused"))), flush=True)
 """
 
-# fork -> (the logged key it changes, or a probe run in the fork printing "PROBE <number>")
+# fork -> the logged key it changes (replay/probe: the probe above)
 FORKS = {
     "recency_weighted_replay": "replay/probe",
     "p_schedule": "batch/fresh",
@@ -928,11 +1081,7 @@ FORKS = {
     "sequence_mean": "losses/policy_loss",
     "format_reward": "reward/mean",
 }
-# the share of 4,000 draws of one group that come from the newer of two stored batches (uniform: 0.5)
-RECENCY_PROBE = """import collections, random
-random.seed(0)
-replay = collections.deque([[[{"b": 0}] for _ in range(4)], [[{"b": 1}] for _ in range(4)]], maxlen=2)
-print("PROBE", sum(remix.draw_history(replay, 1)[0][0]["b"] for _ in range(4000)) / 4000)"""
+GRPO_ONLY = ("grpo_informative_groups", "dr_grpo")  # they change GRPO's group advantage or its groups
 
 
 def copy_project(folder: Path):
@@ -944,48 +1093,103 @@ def copy_project(folder: Path):
     shutil.copytree(HERE / "machinery", folder / "machinery", ignore=shutil.ignore_patterns("__pycache__"))
 
 
-def run_fork(name: str | None, model, data, tmp_path) -> tuple[list[dict], float | None]:
-    """A copy of remix.py (with the fork's diff applied) and the machinery, a 2-step GRPO run on it with about half
-    of the responses right (T = 2, lambda(t) < 1 from step 1); returns the metrics and the fork's probe value."""
-    fork = tmp_path / (name or "unforked")
-    fork.mkdir()
-    copy_project(fork)
-    if name:
-        applied = subprocess.run(["git", "apply", str(HERE / "docs" / "forks" / f"{name}.diff")], cwd=fork,
-                                 capture_output=True, text=True)
-        assert applied.returncode == 0, f"docs/forks/{name}.diff no longer applies: {applied.stderr}"
-    args = dict(model=model, dataset=data, out=str(fork / "run"), algo="grpo", group_size=2, steps=2,
-                prompts_per_step=5, mini_batch_prompts=2, max_response_tokens=24, sampler="hf", save_every=0, seed=3,
-                actor_lr=3e-2, kl_convex_start=0, kl_convex_every=1, reincarnate_step=2, eval_every=0)
-    (fork / "run.py").write_text(FORK_RUN.format(fork=str(fork), here=str(HERE), data=data, args=args,
-                                                 probe=RECENCY_PROBE))
-    done = subprocess.run([sys.executable, str(fork / "run.py")], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1", REMIX_DATA=str(DATA)))
-    assert done.returncode == 0, done.stderr[-3000:]
-    probe = [float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("PROBE")]
-    return read_metrics(fork / "run"), probe[0]
+def forked_file(name: str, folder: Path) -> Path:
+    """remix.py with docs/forks/NAME.diff applied, saved as folder/remix_NAME.py."""
+    work = folder / f"apply-{name}"
+    work.mkdir()
+    shutil.copy(HERE / "remix.py", work / "remix.py")
+    applied = subprocess.run(["git", "apply", str(HERE / "docs" / "forks" / f"{name}.diff")], cwd=work,
+                             capture_output=True, text=True)
+    assert applied.returncode == 0, f"docs/forks/{name}.diff no longer applies: {applied.stderr}"
+    return shutil.copy(work / "remix.py", folder / f"remix_{name}.py")
 
 
 @pytest.mark.slow
-def test_every_fork_applies_runs_and_changes_what_it_should(tiny_model, train_file, tmp_path):
-    base, base_probe = run_fork(None, tiny_model, train_file, tmp_path)
-    assert abs(base_probe - 0.5) < 0.05 and all("reward/format" not in r for r in base)
-    for name, key in FORKS.items():
-        rows, probe = run_fork(name, tiny_model, train_file, tmp_path)
-        assert [r["step"] for r in rows] == [1, 2], name
-        if key == "replay/probe":
-            assert probe > 0.6, (name, probe)  # weights 1 and 2: two thirds from the newer batch
-            continue
-        assert [r[key] for r in rows] != pytest.approx([r[key] for r in base], rel=1e-6, abs=1e-9), name
-        if name == "format_reward":
-            assert all(r["reward/format"] > 0 for r in rows)
-            assert [r["reward/correct"] for r in rows] == [r["reward/correct"] for r in base]
-        if name == "grpo_informative_groups":
-            assert rows[1]["batch/historical"] < base[1]["batch/historical"]
-        if name == "p_schedule":  # p(2) = 0.2: 4 fresh prompts of 5 at step 2, against 3
-            assert [r["batch/fresh"] for r in rows] == [6, 8] and [r["batch/fresh"] for r in base] == [6, 6]
+def test_every_fork_applies_runs_saves_resumes_and_changes_what_it_should(tiny_model, train_file, tmp_path):
+    """Each fork of docs/forks under GRPO and, where it applies, PPO, from a file of its own name: it runs, saves and
+    resumes (steps 1-3 logged once each), refuses every value outside its flags' ranges (a flag it adds included),
+    and changes what it should against the unforked code, run the same way."""
+    jobs = [("unforked", str(shutil.copy(HERE / "remix.py", tmp_path / "remix_unforked.py")), ["grpo", "ppo"])]
+    jobs += [(name, str(forked_file(name, tmp_path)), ["grpo"] if name in GRPO_ONLY else ["grpo", "ppo"])
+             for name in FORKS]
+    args = dict(model=tiny_model, dataset=train_file, steps=2, prompts_per_step=5, mini_batch_prompts=2,
+                max_response_tokens=24, sampler="hf", save_every=1, keep_last=0, seed=3, actor_lr=3e-2,
+                kl_convex_start=0, kl_convex_every=1, reincarnate_step=2, eval_every=0, log_completions=0)
+    (tmp_path / "forks.py").write_text(FORKS_RUN.format(here=str(HERE), data=train_file, args=args))
+    done = subprocess.run([sys.executable, str(tmp_path / "forks.py"), json.dumps(jobs)], capture_output=True,
+                          text=True, timeout=1500, env=dict(os.environ, HF_HUB_OFFLINE="1", REMIX_DATA=str(DATA)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = {r["name"]: r for r in (json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("FORK"))}
+    assert set(found) == {job[0] for job in jobs}
+    metrics = {(name, algo): read_metrics(tmp_path / f"{name}-{algo}") for name, _, algos in jobs for algo in algos}
+    base = found["unforked"]
+    assert abs(base["probe"] - 0.5) < 0.05 and all("reward/format" not in r for r in metrics["unforked", "grpo"])
+    for name, path, algos in jobs:
+        fork = found[name]
+        assert fork["tried"] == fork["refused"] > 2 * len(fork["numeric"]) and not fork["refused_out"], fork
+        assert set(fork["numeric"]) - set(base["numeric"]) == ({"clip_eps_high"} if name == "dapo_clip_higher" else
+                                                               set()), name
+        for algo in algos:
+            rows = metrics[name, algo]
+            assert [r["step"] for r in rows] == [1, 2, 3], (name, algo)
+            if name == "unforked":
+                continue
+            if FORKS[name] == "replay/probe":
+                assert fork["probe"] > 0.6, fork  # weights 1 and 2: two thirds from the newer batch
+                continue
+            assert [r[FORKS[name]] for r in rows] != pytest.approx([r[FORKS[name]] for r in metrics["unforked", algo]],
+                                                                   rel=1e-6, abs=1e-9), (name, algo)
+    # what single forks must show
+    grpo = {name: metrics[name, "grpo"] for name, _, _ in jobs}
+    assert all(r["reward/format"] > 0 for r in grpo["format_reward"])
+    assert [r["reward/correct"] for r in grpo["format_reward"]] == [r["reward/correct"] for r in grpo["unforked"]]
+    assert grpo["grpo_informative_groups"][1]["batch/historical"] < grpo["unforked"][1]["batch/historical"]
+    # p(2) = 0.2: 4 fresh prompts of 5 at step 2, against 3
+    assert [r["batch/fresh"] for r in grpo["p_schedule"][:2]] == [6, 8]
+    assert [r["batch/fresh"] for r in grpo["unforked"][:2]] == [6, 6]
+    assert found["dr_grpo"]["budget"] == args["max_response_tokens"]  # the run's budget, not Args' 8192
 
 
+def test_no_module_of_machinery_imports_the_method_or_finds_it_by_name():
+    import ast
+
+    for path in sorted((HERE / "machinery").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {"remix", "eval", "test_remix"} & imported, path.name
+        assert "finalize.__module__" not in path.read_text() and "import_module(\"remix" not in path.read_text()
+
+
+def test_a_fork_under_another_name_trains_evaluates_and_grades_with_its_own_functions(tiny_model, train_file,
+                                                                                      tmp_path, monkeypatch):
+    """remix_mine.py, a fork whose answer check calls every answer right and whose final answer is "forked": its
+    training reward (grader workers), its evaluation during training (grader workers again) and its completions log
+    use its functions, and the unforked module's stay as they are."""
+    source = (HERE / "remix.py").read_text()
+    for head, body in (("def grade_response(response: str, answer: str) -> tuple[float, str]:\n", "return 1.0, 'ok'"),
+                       ("def final_answer(response: str) -> str | None:\n", "return 'forked'")):
+        assert source.count(head) == 1
+        source = source.replace(head, f"{head}    {body}  # fork\n")
+    (tmp_path / "remix_mine.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import remix_mine
+
+    out = tmp_path / "run"
+    args = dataclasses.asdict(tiny_args(tiny_model, train_file, out, algo="grpo", group_size=2, prompts_per_step=4,
+                                        steps=1, eval_every=1, eval_benchmarks=("aime24",), eval_limit=2,
+                                        eval_max_tokens=8, log_completions=2))
+    remix_mine.train(remix_mine.Args(**args))
+    rows = read_metrics(out)
+    assert [r["eval/aime24/pass@1"] for r in rows] == [100.0, 100.0] and rows[1]["reward/mean"] == 1.0
+    for step in (0, 1):
+        samples = [json.loads(line) for line in (out / "eval" / f"step-{step}.jsonl").open()]
+        assert len(samples) == 2 and all(s["correct"] and s["extracted"] == "forked" for s in samples)
+    assert {json.loads(line)["extracted"] for line in (out / "completions.jsonl").open()} == {"forked"}
+    assert remix.grade_response("no answer", "1") == (0.0, "no_boxed") and remix.final_answer("x") is None
+
+
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_format_reward_fork_leaves_eval_pass_at_1_alone(tmp_path):
     """eval.py reports the answer check, not the training reward: the same Pass@1 from the forked copy."""

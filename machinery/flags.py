@@ -1,0 +1,142 @@
+"""The flags, checked before anything is written: each numeric field's range, stated in its docstring and read from
+there (a new flag is one edit, in its dataclass), the impossible combinations, the model path and the hub. A reader
+of the method may skip this module."""
+
+import ast
+import functools
+import importlib.util
+import inspect
+import math
+import os
+import re
+import socket
+import textwrap
+import typing
+from urllib.parse import urlparse
+
+from machinery import dist
+from machinery.messages import fail
+
+
+def hint(text: str):
+    """What --help shows for a default that the method fills in later (tyro's help_behavior_hint). None without tyro:
+    the method imports without its command line, as benchmarks on a bare GPU machine do."""
+    try:
+        from tyro.conf import arg
+    except ImportError:
+        return None
+    return arg(help_behavior_hint=text)
+
+
+# A range as a docstring states it: '>= 1', '> 0', 'in [0, 1)', 'in (0, 1]', 'in [0, 2147483647]'
+BOUND = re.compile(r"(>=|>) -?[0-9][0-9.e+-]*|in [\[(]-?[0-9][0-9.e+-]*, -?[0-9][0-9.e+-]*[\])]")
+
+
+@functools.cache
+def ranges(cls) -> dict[str, str]:
+    """Each numeric field of a flags dataclass with its range, the first BOUND its docstring states ('p, in [0, 1):
+    ...' -> 'in [0, 1)'): the range is declared beside the field, and --help shows it. A numeric field whose docstring
+    states none is refused with one line, so a new flag cannot go unchecked."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body, hints, found = tree.body[0].body, typing.get_type_hints(cls), {}
+    for field, doc in zip(body, body[1:]):
+        if not (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)):
+            continue
+        name = field.target.id
+        kinds = set(typing.get_args(hints[name]) or (hints[name],))
+        if not {int, float} & kinds - {bool}:
+            continue
+        text = doc.value.value if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else ""
+        match = BOUND.search(text if isinstance(text, str) else "")
+        if match is None:
+            fail(f"the flag --{name.replace('_', '-')} of {cls.__name__} ({inspect.getsourcefile(cls)}) states no "
+                 f"range: begin its docstring with one ('>= 1', '> 0', 'in [0, 1)')")
+        found[name] = match.group()
+    return found
+
+
+def within(value, bound: str) -> bool:
+    """Whether value satisfies a range written as '>= 1', '> 0', 'in [0, 1)', 'in (0, 1]', ..."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if bound.startswith(">="):
+        return value >= float(bound[2:])
+    if bound.startswith(">"):
+        return value > float(bound[1:])
+    lo, hi = (float(x) for x in bound[4:-1].split(","))
+    return (lo <= value if bound[3] == "[" else lo < value) and (value <= hi if bound[-1] == "]" else value < hi)
+
+
+def check_ranges(args, prog: str = "remix"):
+    """Every numeric flag in the range its docstring states: the first that is not gets one line."""
+    for name, bound in ranges(type(args)).items():
+        value = getattr(args, name)
+        if value is not None and not within(value, bound):
+            fail(f"--{name.replace('_', '-')} must be {bound}, got {value}", prog)
+
+
+def check_args(args):
+    """Every flag's range, then every impossible combination, each with one line saying what to change."""
+    check_ranges(args)
+    n_fresh = round((1.0 - args.off_policy_p) * args.prompts_per_step)
+    n_history, ranks = args.prompts_per_step - n_fresh, dist.world()
+    checks = [(args.off_policy_p == 0 or 1 <= n_history < args.prompts_per_step,
+               f"--prompts-per-step {args.prompts_per_step} cannot split into whole fresh and historical groups at "
+               f"--off-policy-p {args.off_policy_p}: raise --prompts-per-step"),
+              (args.algo == "ppo" or args.group_size >= 2, "--algo grpo needs --group-size >= 2 (a group of one "
+                                                           "always has advantage 0)"),
+              (n_fresh % ranks == 0 and n_history % ranks == 0 and args.prompts_per_step % ranks == 0,
+               f"--prompts-per-step {args.prompts_per_step} ({n_fresh} fresh + {n_history} historical at p = "
+               f"{args.off_policy_p}) cannot split into whole groups over {ranks} processes: make each a multiple "
+               f"of {ranks}"),
+              (ranks % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {ranks} processes"),
+              (args.sampler_is_cap is None or args.sampler == "vllm",
+               "--sampler-is-cap needs --sampler vllm (the sampler's log-probs come from vLLM)"),
+              (not args.track or importlib.util.find_spec("wandb") is not None,
+               "--track logs to wandb, which is not installed (it is no dependency): pip install wandb")]
+    for ok, message in checks:
+        if not ok:
+            fail(message)
+
+
+HUB_ID = re.compile(r"^(?![.-])[\w.-]{1,96}(?<![.-])(/(?![.-])[\w.-]{1,96}(?<![.-]))?$")
+
+
+def is_hub_id(name: str) -> bool:
+    """org/name (or name) in the hub's alphabet that is not a local path. './x', '/x', '~/x', 'a/b/c', 'a b',
+    and 'runs/tiny' when a local ./runs exists are local paths."""
+    if os.path.exists(name) or ("/" in name and os.path.exists(name.split("/")[0])):
+        return False
+    return bool(HUB_ID.match(name)) and "--" not in name and ".." not in name
+
+
+def check_model_path(model: str, prog: str = "remix"):
+    """A model that is not a hub id is a local folder, and must exist."""
+    if not is_hub_id(model) and not os.path.isdir(model):
+        fail(f"model folder {model!r} does not exist; pass an existing local folder or a hub id (org/name)", prog)
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def offline_hint() -> str:
+    return " (HF_HUB_OFFLINE is set: only the local cache is read; pass a local path)" if offline() else ""
+
+
+def check_hub(needed: dict, prog: str = "remix"):
+    """Fail in seconds, not after minutes of retries, when hub ids are asked for and the hub is out of reach.
+    needed: {'--model': id, ...}, the flags whose values are hub ids. HF_HUB_OFFLINE=1 reads the local cache."""
+    if not needed or offline():
+        return
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    proxy = urlparse(os.environ.get("HTTPS_PROXY", os.environ.get("https_proxy", "")) or "//")
+    host, port = (proxy.hostname, proxy.port or 80) if proxy.hostname else \
+        (endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80))
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as error:
+        what = ", ".join(f"{flag} {value}" for flag, value in needed.items())
+        fail(f"the Hugging Face hub ({endpoint.geturl()}) cannot be reached ({error.strerror or error}), and {what} "
+             f"{'is a hub id' if len(needed) == 1 else 'are hub ids'}: pass local paths, or set HF_HUB_OFFLINE=1 to "
+             f"use the files already in the local cache", prog)
