@@ -1,6 +1,6 @@
 """How much of A_hat the V-trace product form of GRPO leaves at a response's first token (README Decision 4).
 
-    python benchmarks/trace_decay.py runs/toy/runs/remix-grpo/seed*/metrics.jsonl
+    python benchmarks/trace_decay.py runs/toy/runs/remix-grpo/*/seed*/metrics.jsonl
 
 With per-token log(pi_k/mu) = x_i, the product form gives token t the advantage A_hat * prod_{i>t} min(1, e^x_i).
 For x_i independent N(m, s^2), a response of L tokens keeps at its first token
