@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 import remix
-from machinery import checkpoints, data, dist, evaluation, flags, messages, models, run, runfolder, signals
+from machinery import data, dist, evaluation, flags, messages, models, run, runfolder, safeload, signals
 
 PROG = "eval"
 
@@ -123,7 +123,7 @@ def check(args: EvalArgs):
         fail(f"model folder {args.model!r} holds no model weights (*.safetensors)")
     if os.path.isdir(args.model):  # a truncated weights file or a FIFO is named before anything is written
         try:
-            checkpoints.check_model_folder(args.model)
+            safeload.check_model_folder(args.model)
         except ValueError as error:
             fail(f"cannot load model {args.model!r}: {error}")
     flags.check_hub({**({"--model": args.model} if flags.is_hub_id(args.model) else {}),
@@ -173,7 +173,7 @@ def prepare(args: EvalArgs, sizes: dict) -> list[dict]:
     kept = []
     if dist.rank() == 0 and out.is_dir():  # nothing read or rewritten there may block
         try:
-            checkpoints.check_special_files(str(out), recursive=False)
+            safeload.check_special_files(str(out), recursive=False)
         except ValueError as error:
             fail(f"--out {out}: {error}")
     if dist.rank() == 0 and held_files(out) and not args.overwrite:

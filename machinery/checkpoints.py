@@ -8,8 +8,9 @@ without executing anything from the folder. A reader of the method may skip this
 
 Every .pt file holds only tensors, numbers, strings, lists, tuples and dicts, and is read with torch's
 weights-only loader, which refuses anything else (a pickled object that could run code); model weights are
-safetensors. Every file is checked before it is used: its type (no FIFO, which would block), its fields and shapes
-against what save() writes (check_state, check_optimizer), each model's weights against its config. A damaged,
+safetensors (machinery.safeload reads them). Every file is checked before it is used: its type (no FIFO, which would
+block), its fields and shapes against what save() writes (machinery.statecheck), each model's weights against its
+config. A damaged,
 tampered, misnamed (the step is what trainer_state.pt says) or linked checkpoint is named in one line, and --resume
 falls back to the previous one. Deletes are crash-safe: renamed to .trash-* first, then removed.
 """
@@ -25,7 +26,7 @@ import tempfile
 import numpy as np
 import torch
 
-from machinery import dist
+from machinery import dist, safeload, statecheck
 from machinery.messages import fail, say
 
 FORMAT = 2  # 1: optimizers in torch.distributed.checkpoint's format, trainer state pickled (no longer read)
@@ -187,212 +188,15 @@ def clear_leftovers(out: str):
         _delete(path)
 
 
-class Refused(ValueError):
-    """A checkpoint file holds what a safe loader refuses: it was not written by remix, or it was changed."""
-
-
-def read_pt(path: str):
-    """A .pt file of this format, by torch's weights-only loader: it builds tensors and plain values and refuses
-    anything else, so a file that would run code is refused, never run. Raises Refused for such a file and
-    ValueError for a missing or damaged one, each naming the file."""
-    import pickle
-
-    try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except FileNotFoundError:
-        raise ValueError(f"{path} is missing") from None
-    except pickle.UnpicklingError as error:  # a global outside the weights-only allowlist: never run
-        why = next((line for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
-        raise Refused(f"{path} holds objects the safe loader refuses ({why.strip()[:160] or 'not plain data'}); "
-                      f"nothing of it was run") from None
-    except Exception as error:  # a truncated zip or a damaged record
-        raise ValueError(f"{path} cannot be read safely ({type(error).__name__}: "
-                         f"{str(error).strip().splitlines()[0][:200] if str(error).strip() else 'damaged'})") from None
-
-
-def special_files(folder: str, recursive: bool = True) -> list[str]:
-    """The entries of a folder (and, recursive, of its subfolders) that are not regular files once links are
-    followed: a FIFO, a socket, a device, a broken link; and, recursive, a linked folder, whose files would go
-    unchecked. Opening a FIFO blocks until something writes to it, deaf to SIGINT and SIGTERM, so a program reads
-    nothing from a folder that holds one. Only names and types are looked at; nothing is opened."""
-    odd = []
-    for root, dirs, files in os.walk(folder):
-        odd += [os.path.join(root, name) for name in files if not os.path.isfile(os.path.join(root, name))]
-        if not recursive:
-            break
-        odd += [os.path.join(root, name) for name in dirs if os.path.islink(os.path.join(root, name))]
-    return odd
-
-
-def check_special_files(folder: str, recursive: bool = True):
-    odd = special_files(folder, recursive)
-    if odd:
-        raise ValueError(f"{odd[0]} is not a regular file (a FIFO, socket, device or link that cannot be read "
-                         f"safely); remove it")
-
-
-def check_weights(folder: str, params: dict | None = None):
-    """Every safetensors file of a model folder opens and its header matches the file's size (a truncated write
-    does not); with params ({name: shape}, model_parameters), the weights hold each with that shape (a config.json
-    edited to another vocabulary does not). Raises ValueError naming the file."""
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{folder} holds no model.safetensors")
-    shapes = {}
-    for path in files:
-        try:
-            with safe_open(path, "pt") as f:
-                shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})
-        except Exception as error:
-            raise ValueError(f"{path} is damaged ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
-    for name, shape in (params or {}).items():
-        if shapes.get(name) != shape:
-            raise ValueError(f"{folder}/config.json makes {name} {list(shape)}, its weights hold "
-                             f"{list(shapes[name]) if name in shapes else 'none'}: the config and weights disagree")
-
-
-def check_model_folder(folder: str):
-    """A local model a program is about to load: nothing in it can block a read, and its safetensors are whole."""
-    check_special_files(folder, recursive=False)
-    if glob.glob(os.path.join(folder, "*.safetensors")):  # a model of .bin files is transformers' to refuse
-        check_weights(folder)
-
-
-def model_parameters(folder: str, critic: bool = False) -> tuple[dict, int]:
-    """The parameters of the model a folder's config.json describes, {name: shape} in the order the optimizer
-    numbers them (tied weights once), and its vocabulary size: the model is built on the meta device, so no
-    memory is used, no weight is read and no code from the folder is run."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
-    try:
-        config = AutoConfig.from_pretrained(folder, **({"num_labels": 1} if critic else {}))
-        with torch.device("meta"):
-            model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(config)
-    except (OSError, ValueError, KeyError, TypeError) as error:  # what transformers raises for a config it cannot use
-        why = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        raise ValueError(f"{folder}/config.json does not describe a model ({why})") from None
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}, config.get_text_config().vocab_size
-
-
-def local_shape(shape: tuple, rank: int, world: int) -> tuple:
-    """This rank's part of a parameter FSDP2 shards along its first dimension: chunks of ceil(rows / world) rows,
-    the last ones shorter or empty."""
-    rows = -(-shape[0] // world)
-    return (max(0, min(rows, shape[0] - rank * rows)), *shape[1:])
-
-
-# What a stored (replayable) sample holds, as remix.py's table of sample fields says, with the types a step uses.
-SAMPLE_FIELDS = {"prompt_ids": list, "response_ids": list, "answer": str, "version": int, "group": int,
-                 "truncated": bool, "reward": (int, float), "reward_parts": dict, "status": str, "reflects": bool}
-PER_TOKEN = ("behaviour_logp", "ref_logp", "sampler_weight", "sampler_logp")  # [L] each, where present
-
-
-def check_state(state: dict, path: str, step: int, defaults: dict | None = None, vocab: int | None = None):
-    """A trainer state holds what save() wrote, with the types restore() and the steps use: the safe loader
-    accepts any tensors and plain values, so a hand-edited or foreign file could crash a later step. The step is
-    what the state says: a folder named otherwise (a copy, a rename) is refused. Raises ValueError naming the file
-    and the first field that is wrong. defaults: the arguments' defaults, whose types saved arguments must have."""
-    def need(ok: bool, what: str):
-        if not ok:
-            raise ValueError(f"{path} is not a trainer state this remix can resume: {what}")
-
-    for key, kind in (("args", dict), ("progress", dict), ("replay", list), ("rng", dict), ("world_size", int)):
-        need(isinstance(state.get(key), kind), f"its {key!r} is missing or not a {kind.__name__}")
-    progress, args = state["progress"], state["args"]
-    counts = ("step", "rollouts", "tokens", "data_position") + (("bad_updates",) if "bad_updates" in progress else ())
-    for key in counts:
-        need(type(progress.get(key)) is int and progress[key] >= 0, f"progress {key!r} is missing or not a count")
-    if progress["step"] != step:
-        raise ValueError(f"{path} holds step {progress['step']}, but its folder is named checkpoint-{step} (a copy "
-                         f"or a rename); the step a checkpoint holds is what its state says")
-    need(state["world_size"] >= 1 and type(args.get("steps")) is int and args.get("algo") in ("ppo", "grpo"),
-         "its world size or its --steps or --algo is missing or wrong")
-    for key, default in (defaults or {}).items():
-        value = args.get(key, default)
-        need(default is None or type(value) is type(default) or (type(default) is float and type(value) is int)
-             or (isinstance(default, tuple) and isinstance(value, list)),
-             f"its --{key.replace('_', '-')} is {value!r}, not a {type(default).__name__}")
-    check_rng(state["rng"], need)
-    check_replay(state["replay"], args, step, vocab, need)
-
-
-def check_rng(rng: dict, need):
-    """The saved RNG states restore: each is set into a new generator of its kind (the process's own are untouched)."""
-    try:
-        random.Random().setstate(rng["python"])
-        kind, keys, pos, has_gauss, gauss = rng["numpy"]
-        np.random.RandomState().set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-        torch.Generator().set_state(rng["torch"])
-    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as error:
-        need(False, f"its RNG state cannot be restored ({type(error).__name__}: {str(error).splitlines()[0][:120]})")
-    if "cuda" in rng and torch.cuda.is_available():
-        need(torch.is_tensor(rng["cuda"]) and rng["cuda"].dtype == torch.uint8
-             and rng["cuda"].shape == torch.cuda.get_rng_state(dist.device()).shape, "its CUDA RNG state is malformed")
-
-
-def check_replay(replay: list, args: dict, step: int, vocab: int | None, need):
-    """Every stored sample has the fields a replayed one is used with, each [L] vector one value per response token,
-    each token id in the vocabulary, and a policy version before this step: a junk entry is named now, not by
-    the step that draws it."""
-    required = [key for key, on in (("behaviour_logp", True), ("ref_logp", bool(args.get("kl_beta", 0))),
-                                    ("sampler_weight", args.get("sampler_is_cap") is not None)) if on]
-    for b, batch in enumerate(replay):
-        need(isinstance(batch, list) and all(isinstance(group, list) and group for group in batch),
-             f"replay batch {b} is not a list of groups")
-        for sample in (s for group in batch for s in group):
-            where = f"a sample of replay batch {b}"
-            need(isinstance(sample, dict), f"{where} is not a dict")
-            need(all(isinstance(sample.get(key), kind) for key, kind in SAMPLE_FIELDS.items()),
-                 f"{where} lacks a field or has one of another type ({', '.join(SAMPLE_FIELDS)})")
-            need(all(sample[key] and all(type(t) is int and 0 <= t < (vocab or 2**62) for t in sample[key])
-                     for key in ("prompt_ids", "response_ids")), f"{where} has a token id outside the vocabulary")
-            need(sample["version"] <= step, f"{where} was sampled at step {sample['version']}, after this checkpoint")
-            length = len(sample["response_ids"])
-            need(all(sample.get(key) is not None for key in required) and all(
-                torch.is_tensor(value) and value.is_floating_point() and tuple(value.shape) == (length,)
-                for value in (sample.get(key) for key in PER_TOKEN) if value is not None),
-                f"{where} lacks one of {', '.join(required)} or has one that is not a vector of its {length} tokens")
-
-
-def check_optimizer(shard: dict, path: str, shapes: dict):
-    """An optimizer shard holds, for each model trained, AdamW's state over exactly its parameters, each moment
-    shaped like this rank's shard of its parameter (shapes: {model: [shape, ...]}): a wrong one is named now,
-    not by the first optimizer step."""
-    def need(ok: bool, what: str):
-        if not ok:
-            raise ValueError(f"{path} is not an optimizer state this remix can resume: {what}")
-
-    need(isinstance(shard, dict), "it is not a dict")
-    for name, expected in shapes.items():
-        entry = shard.get(name)
-        need(isinstance(entry, dict) and isinstance(entry.get("state"), dict)
-             and isinstance(entry.get("param_groups"), list), f"it holds no {name} optimizer")
-        groups = entry["param_groups"]
-        need(all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
-             and [i for g in groups for i in g["params"]] == list(range(len(expected))),
-             f"the {name} optimizer's groups do not number the model's {len(expected)} parameters")
-        need(all(type(g.get(key)) in (int, float) for g in groups for key in ("lr", "eps", "weight_decay")),
-             f"the {name} optimizer's lr, eps or weight decay is not a number")
-        for index, moments in entry["state"].items():
-            need(type(index) is int and 0 <= index < len(expected) and isinstance(moments, dict),
-                 f"the {name} optimizer has state for a parameter {index!r} the model does not have")
-            for key, value in moments.items():
-                shape = () if key == "step" else expected[index]
-                need(torch.is_tensor(value) and value.is_floating_point() and tuple(value.shape) == shape,
-                     f"the {name} optimizer's {key} of parameter {index} is not a float tensor of shape {list(shape)}")
-
-
 def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
     """This rank's trainer state and optimizer shard from a checkpoint, each checked against what save() writes
     and every model folder against its config (what is checked is what a resumed run uses): a resume that gets
-    them runs. Raises ValueError (Refused for a file that would run code) naming the file."""
+    them runs. Raises ValueError (safeload.Refused for a file that would run code) naming the file."""
     if os.path.islink(folder):
         raise ValueError(f"{folder} is a symbolic link, not one of the run's own checkpoints")
-    check_special_files(folder)
+    safeload.check_special_files(folder)
     path, rank = state_file(folder, dist.rank()), dist.rank()
-    state = read_pt(path)
+    state = safeload.read_pt(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is from another version of remix (format "
                          f"{state.get('format', 1) if isinstance(state, dict) else '?'}, this reads {FORMAT})")
@@ -400,19 +204,20 @@ def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
     for name, model_folder in (("policy", folder), ("critic", os.path.join(folder, "critic")),
                                ("reference", os.path.join(folder, "reference"))):
         if os.path.isdir(model_folder):
-            params[name], size = model_parameters(model_folder, critic=name == "critic")
+            params[name], size = safeload.model_parameters(model_folder, critic=name == "critic")
             vocab = size if name == "policy" else vocab
-            check_weights(model_folder, params[name])
-    check_state(state, path, step_of(folder), defaults, vocab)
+            safeload.check_weights(model_folder, params[name])
+    statecheck.check_state(state, path, step_of(folder), defaults, vocab)
     trained = ("policy", "critic") if state["args"]["algo"] == "ppo" else ("policy",)
     if any(name not in params for name in trained):
         raise ValueError(f"{folder} lacks the model folder of its {' or '.join(trained)}")
     if state["world_size"] != dist.world():
         return state, {}
     path = optim_file(folder, rank)
-    shard = read_pt(path)
-    check_optimizer(shard, path, {name: [local_shape(shape, rank, dist.world()) for shape in params[name].values()]
-                                  for name in trained})
+    shard = safeload.read_pt(path)
+    shapes = {name: [statecheck.local_shape(shape, rank, dist.world()) for shape in params[name].values()]
+              for name in trained}
+    statecheck.check_optimizer(shard, path, shapes)
     return state, shard
 
 
@@ -434,7 +239,7 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
     for folder in reversed(found):
         try:
             state, optim, problem = *read(folder, defaults), None
-        except Refused as error:
+        except safeload.Refused as error:
             state, optim, problem = None, None, ("refused", str(error))
         except ValueError as error:
             state, optim, problem = None, None, ("damaged", str(error))

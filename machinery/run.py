@@ -69,7 +69,7 @@ class Session:
     end_step() logs, evaluates and saves."""
 
     def __init__(self, args, method: Method):
-        from machinery import checkpoints, data, evaluation, models
+        from machinery import checkpoints, data, evaluation, models, safeload
 
         signals.catch_interrupts()
         bound = flags.ranges(type(args))["dist_timeout"]
@@ -97,7 +97,7 @@ class Session:
         flags.check_model_path(args.model)  # then everything that needs the hub, in seconds
         if os.path.isdir(args.model):  # a damaged weights file or a FIFO is named before --out is touched
             try:
-                checkpoints.check_model_folder(args.model)
+                safeload.check_model_folder(args.model)
             except ValueError as error:
                 fail(f"cannot load model {args.model!r}: {error}")
         flags.check_hub({f"--{k}": getattr(args, k) for k in ("model", "dataset") if flags.is_hub_id(getattr(args, k))
