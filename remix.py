@@ -124,6 +124,8 @@ class Args:
     """GPU only: vLLM sleeps (level 2: weights and KV cache freed, no host copy) from each sample to its push"""
     vllm_tp: int = 1
     """>= 1: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
+    offload: bool = False
+    """keep each trained model's fp32 weights, gradients and AdamW state in host memory (FSDP2's CPU offload)"""
     precision: Annotated[Literal["bf16", "fp32"] | None, flags.hint("(default: bf16 on GPU, fp32 on CPU)")] = None
     """dtype of every forward pass (policy, critic, frozen reference, vLLM); weights and optimizer state stay fp32"""
     gradient_checkpointing: Annotated[bool | None, flags.hint("(default: on GPU)")] = None
@@ -473,8 +475,7 @@ def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list
     # a group id unique over the run and the ranks: the prompt's index in the step (a step has under a million)
     return [[{"prompt_ids": prompt.ids, "response_ids": response or [tokenizer.pad_token_id], "answer": prompt.answer,
               "version": step, "group": step * 1_000_000 + first + offset + i, "truncated": finish == "length",
-              "sampler_logp": None if logps is None or not response else logps}
-             for response, finish, logps in group]
+              "sampler_logp": None if logps is None or not response else logps} for response, finish, logps in group]
             for i, (prompt, group) in enumerate(zip(mine, groups))]
 
 
@@ -632,8 +633,7 @@ def train(args: Args, on_step=None) -> dict:
             stats = update(batch, policy, critic, optimizers, lam, utd, step, args)
             session.lap("trainer")
             # 7. push pi_{k+1} into the sampler; 8. reincarnation at T
-            if llm is not None:
-                engines.push_weights(llm, policy)  # and wake it: the evaluation and the next sample need it
+            engines.push_weights(llm, policy)  # and wake it for the evaluation and the next sample
             session.lap("weight_sync")
             if args.reincarnation and step == args.reincarnate_step:
                 reincarnate(policy, reference, replay)

@@ -16,17 +16,20 @@ import torch.distributed as torch_dist
 _device: list[torch.device] = []
 
 
-def init(timeout_minutes: float = 60.0) -> torch.device:
+def init(timeout_minutes: float = 60.0, offload: bool = False) -> torch.device:
     """Join the process group (NCCL on GPUs, gloo on CPUs) and pick this rank's GPU. Under torchrun it is
     torchrun's; `python remix.py` makes a group of one, so that one process shards, casts and reduces through
     the same FSDP2 code as many. No collective waits longer than timeout_minutes: the other ranks wait in one
-    while rank 0 writes the whole model folders of a checkpoint (NCCL's own default is 10 minutes)."""
+    while rank 0 writes the whole model folders of a checkpoint (NCCL's own default is 10 minutes). With offload
+    (--offload) a GPU's group also has gloo for tensors on the host: the gradient-norm clip reduces the offloaded
+    gradients' norms there (NCCL takes GPU tensors only)."""
     cuda = torch.cuda.is_available()
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if cuda:  # one process is GPU 0, as vLLM's own executor takes it (CUDA_VISIBLE_DEVICES picks another)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) if torchrun else 0)
     if not torch_dist.is_initialized():
-        backend, timeout = "nccl" if cuda else "gloo", datetime.timedelta(minutes=timeout_minutes)
+        backend = ("cuda:nccl,cpu:gloo" if offload else "nccl") if cuda else "gloo"
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         if torchrun:
             torch_dist.init_process_group(backend, timeout=timeout)
         else:
@@ -123,23 +126,32 @@ def broadcast(obj):
 # ----------------------------------------------------------------------------------------------
 # FSDP2: sharding, forwards that use the root's weights, whole weights for a while
 # ----------------------------------------------------------------------------------------------
-def shard(model, device, compute_dtype: torch.dtype):
+def host_collectives() -> bool:
+    """Whether collectives can take tensors on the host: gloo's group, or a GPU group made with offload (init)."""
+    return not torch_dist.is_initialized() or "gloo" in str(torch_dist.get_backend())
+
+
+def shard(model, device, compute_dtype: torch.dtype, offload: bool = False):
     """The model sharded with FSDP2 over the ranks (a group of one in one process): each decoder layer, then the
     whole model, so parameters, gradients and optimizer state are split. Each call moves that layer's states to
     the device, so no device ever holds a whole fp32 model. A model whose weights are stored in another dtype
     than compute_dtype (fp32 masters under --precision bf16) computes with weights cast to compute_dtype, the
     embeddings and residual stream included, and reduces gradients in fp32: a bf16 reference computes exactly
-    as the policy does before its first update."""
+    as the policy does before its first update. offload (--offload, trained models only): FSDP2's CPU offload keeps
+    the shards, gradients and so the optimizer's state and step on the host, copying each layer's weights to the
+    device for its pass; the host memory is pinned on a GPU."""
     import warnings
 
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # none is changed in place
     precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
         if next(model.parameters()).dtype != compute_dtype else MixedPrecisionPolicy()
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     for layer in model.base_model.layers:
-        fully_shard(layer, mp_policy=precision)
-    return fully_shard(model, mp_policy=precision).to(device)  # .to: buffers that no call moved
+        fully_shard(layer, mp_policy=precision, offload_policy=policy)
+    model = fully_shard(model, mp_policy=precision, offload_policy=policy)
+    return model if offload else model.to(device)  # .to: buffers that no call moved (it would move offloaded shards)
 
 
 def as_forward(model, fn, *args):
@@ -204,6 +216,8 @@ def _param_groups(state) -> list:
 def full_tensors(model):
     """(name, full tensor) for each entry of the state dict, gathered from the shards one at a time."""
     for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "device_mesh") and tensor.device.type != tensor.device_mesh.device_type:
+            tensor = tensor.to(tensor.device_mesh.device_type)  # an offloaded shard is gathered on the device
         yield name, (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 

@@ -152,9 +152,11 @@ def push_weights(llm, policy) -> float:
     cache after the load. After a level-2 sleep a weight the push does not cover would keep whatever memory it
     wakes to, and vLLM reports such weights only as a warning (hidden at remix's ERROR log level): the push listens
     for it and stops the run with one line. (Its 'RotaryEmbedding: Failed to load weights' is harmless: the rotary
-    cache is derived from the config, is in no state dict, and keeps its value.)"""
+    cache is derived from the config, is in no state dict, and keeps its value.) Nothing without an engine."""
     import time
 
+    if llm is None:  # --sampler hf: the sampler is the trainer's own policy
+        return 0.0
     start_time = time.perf_counter()
     if llm.llm_engine.is_sleeping():
         if torch.cuda.is_available():  # cumem maps new physical memory at a wake: what torch caches is not free

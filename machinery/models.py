@@ -33,7 +33,7 @@ def load(args, checkpoint: str | None = None):
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         without_dropout(model)  # updates run in training mode (Decision 12)
-        return dist.shard(model, device, dtype)
+        return dist.shard(model, device, dtype, getattr(args, "offload", False))  # --offload: trained models only
 
     from safetensors import SafetensorError
 

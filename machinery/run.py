@@ -12,7 +12,7 @@ import typing
 import numpy as np
 import torch
 
-from machinery import dist, flags, guard, logs, runfolder, signals, startup
+from machinery import dist, flags, guard, logs, plan, runfolder, signals, startup
 from machinery.messages import fail, say
 
 
@@ -75,7 +75,7 @@ class Session:
         bound = flags.ranges(type(args))["dist_timeout"]
         if not flags.within(args.dist_timeout, bound):
             fail(f"--dist-timeout must be {bound}, got {args.dist_timeout}")
-        dist.init(args.dist_timeout)
+        dist.init(args.dist_timeout, getattr(args, "offload", False))
         if "LOCAL_RANK" in os.environ and "RANK" not in os.environ and torch.cuda.is_available():
             say("LOCAL_RANK is set without RANK (not torchrun): this one process uses GPU 0; pick another with "
                 "CUDA_VISIBLE_DEVICES")
@@ -93,6 +93,8 @@ class Session:
                 raise SystemExit(0)
         self.args = args = method.finalize(args)
         flags.check_args(args)
+        if getattr(args, "offload", False) and not dist.host_collectives():  # a resumed run's saved --offload
+            fail(f"{args.out} was trained with --offload: give --offload with --resume too (its process group needs it)")
         guard.reset(self.state["progress"].get("bad_updates", 0) if self.state else 0, args.out)
         flags.check_model_path(args.model)  # then everything that needs the hub, in seconds
         if os.path.isdir(args.model):  # a damaged weights file or a FIFO is named before --out is touched
@@ -124,9 +126,11 @@ class Session:
             fail(f"{args.model} takes at most {context} tokens ({source}), and the run needs {self.max_model_len}: "
                  f"{prompt} plus {response}; lower them to fit")
         runfolder.check_out(args.out, bool(args.resume))
+        self.plan = plan.check(args, self.checkpoint or args.model)  # a run that cannot fit stops here, in one line
         runfolder.lock(args.out)
         if not args.resume:
             runfolder.prepare_out(args.out, args.overwrite)
+        plan.write(self.plan, args.out)
         torch.manual_seed(args.seed)  # the critic's new head starts alike on every rank
 
     def restore(self, policy, reference, critic, optimizers: list, replay, llm):

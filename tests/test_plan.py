@@ -1,0 +1,258 @@
+"""Tests of the plan before step 1 (machinery.plan) and of --offload: the figures against hand-worked arithmetic for the
+paper's model, against real checkpoints and against the measured host memory of a real update (tests/plan_step.py);
+a run that cannot fit stops in one line with nothing written (the free space patched at its one reading, and a real
+3 MB file system); a close one is warned about and runs; --offload trains, saves and resumes as a run without it.
+
+    pytest -q tests/test_plan.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import remix  # noqa: E402
+from machinery import plan, run, runfolder  # noqa: E402
+from tests.common import ROOT, full_state, read_metrics, tiny_args  # noqa: E402
+
+CONFIGS = ROOT / "benchmarks" / "configs"
+R1_15B = str(CONFIGS / "deepseek-r1-distill-qwen-1.5b.json")
+
+
+def paper_args(**changes):
+    """The defaults of a GPU run (bf16, checkpointing), as remix.finalize_args fills them on a GPU."""
+    args = remix.finalize_args(remix.Args(**changes))
+    args.precision = "bf16"
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# The arithmetic, by hand, for DeepSeek-R1-Distill-Qwen-1.5B
+# ----------------------------------------------------------------------------------------------
+def test_the_paper_models_parameters_and_checkpoint_by_hand():
+    """Qwen2: untied embeddings and head (2VH), per layer q/k/v with biases, o, the MLP's three matrices, two norms;
+    the final norm. The critic has a one-output score head (weights and bias) for the output layer. A full PPO checkpoint: fp32 policy and critic,
+    the bf16 reference (after step 100), AdamW's two fp32 moments of both: the issue's 'about 43 GB'."""
+    shape = plan.shape_of(R1_15B)
+    V, H, L, I, KV = 151936, 1536, 28, 8960, 256
+    layer = (H * H + H) + 2 * (H * KV + KV) + H * H + 3 * H * I + 2 * H
+    assert shape.params == 2 * V * H + L * layer + H == 1_777_088_000
+    assert shape.critic_params == V * H + L * layer + H + H + 1  # the score head: H weights and a bias
+    disk = plan.disk(shape, paper_args(), 1)
+    by_hand = 4 * shape.params + 4 * shape.critic_params + 2 * shape.params + 8 * (shape.params + shape.critic_params)
+    assert abs(disk["full"] - by_hand) / by_hand < 0.002 and 43e9 < disk["full"] < 44e9
+    assert disk["saves"] == 7 and disk["kept_folders"] == 2  # 50, ..., 350; --keep-last 3
+    assert disk["peak"] == 2 * disk["full"] + 2 * disk["model_folder"]
+    assert plan.disk(shape, paper_args(keep_last=0), 1)["peak"] == 2 * disk["full"] + 6 * disk["model_folder"]
+    grpo = plan.disk(shape, paper_args(algo="grpo"), 1)
+    assert grpo["critic"] == 0 and grpo["optimizer"] < disk["optimizer"] / 1.8
+
+
+def test_the_paper_models_memory_per_gpu_by_hand():
+    """Per rank: the states sharded over the ranks; the activations of a 16,384-token micro-batch with checkpointing
+    (each layer's bf16 input, one layer recomputed with its mask bias of the 9,216-token row); the engine's share."""
+    shape = plan.shape_of(R1_15B)
+    P, Pc, H, I, L, V = shape.params, shape.critic_params, 1536, 8960, 28, 151936
+    for world in (1, 2, 8):
+        m = plan.memory(shape, paper_args(), world, False, True, 80e9)
+        parts = m["parts"]
+        assert parts["weights (fp32 masters)"] == 4 * (P + Pc) / world
+        assert parts["AdamW moments (fp32)"] == 8 * (P + Pc) / world and parts["reference"] == 2 * P / world
+        assert parts["engine"] == 0.35 * 80e9
+    layer = 8 * H + 8 * 2 * H + 4 * 2 * I + 2 * 9216 + 24
+    per_token = L * 2 * H + layer + (4 + 3) * H + 9216 + 4 * (H + I)
+    assert parts["activations"] == 16384 * per_token
+    assert parts["output layer"] == 6 * 1024 * V * 4 + 2 * 16384 * H * 2 + 4 * V * H
+    offloaded = plan.memory(shape, paper_args(), 1, True, True, 80e9)
+    assert offloaded["parts"]["weights (fp32 masters)"] == offloaded["parts"]["AdamW moments (fp32)"] == 0
+    assert offloaded["host_parts"]["AdamW moments (fp32)"] == 8 * (P + Pc)
+
+
+@pytest.mark.parametrize("algo, gb, fits, with_offload", [("ppo", 80, True, True), ("ppo", 40, False, True),
+                                                           ("grpo", 24, False, True), ("ppo", 24, False, True)])
+def test_which_cards_fit_the_paper_model_as_the_docs_say(algo, gb, fits, with_offload):
+    """docs/memory.md's verdicts for one GPU: PPO fits 80 GB; with --offload, PPO fits 40 GB and GRPO 24 GB."""
+    shape = plan.shape_of(R1_15B)
+    args = paper_args(algo=algo)
+    assert (plan.memory(shape, args, 1, False, True, gb * 1e9)["peak"] <= gb * 1e9) == fits
+    assert (plan.memory(shape, args, 1, True, True, gb * 1e9)["peak"] <= gb * 1e9) == with_offload
+
+
+# ----------------------------------------------------------------------------------------------
+# A run that cannot fit, or is close
+# ----------------------------------------------------------------------------------------------
+def one_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("remix: error: "), err
+    return err[0]
+
+
+def test_a_run_whose_checkpoints_do_not_fit_stops_in_one_line_before_writing(tiny_model, train_file, tmp_path,
+                                                                              monkeypatch, capsys):
+    """The free space patched at its one reading: between the peak under --keep-last 1 and under 2, so the line
+    says by how much and names --keep-last 1 alone; --out is never created."""
+    args = tiny_args(tiny_model, train_file, tmp_path / "run", algo="grpo", group_size=2, save_every=1)
+    figures = plan.disk(plan.shape_of(tiny_model), remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path,
+                                                                                 algo="grpo", group_size=2,
+                                                                                 save_every=1)), 1)
+    free = 2 * figures["full"] + figures["model_folder"] // 2
+    monkeypatch.setattr(plan, "free_bytes", lambda path: free)
+    with pytest.raises(SystemExit) as stop:
+        remix.train(args)
+    assert stop.value.code == 2
+    line = one_line(capsys)
+    short = (2 * figures["full"] + 2 * figures["model_folder"] - free) / 1e6
+    assert "disk" in line and f"({short:.1f} MB short)" in line, line
+    assert "it fits with --keep-last 1" in line and "--keep-last 2" not in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_real_3_mb_file_system_stops_the_run_before_writing(tiny_model, train_file, tmp_path, capsys):
+    """A tmpfs of 3 MB (a tiny PPO checkpoint is about 8 MB): the plan reads the real free space and stops."""
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mount is not permitted here: {mounted.stderr.decode().strip()[:200]}")
+    try:
+        with pytest.raises(SystemExit) as stop:
+            remix.train(tiny_args(tiny_model, train_file, disk / "run", algo="ppo"))
+        assert stop.value.code == 2
+        line = one_line(capsys)
+        assert "the run does not fit: disk" in line and "MB there" in line, line
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_close_run_is_warned_about_and_goes_on_and_its_plan_is_kept(tiny_model, train_file, tmp_path,
+                                                                     monkeypatch, capsys):
+    out = tmp_path / "run"
+    args = remix.finalize_args(tiny_args(tiny_model, train_file, out, algo="grpo", group_size=2))
+    need = plan.disk(plan.shape_of(tiny_model), args, 1)["peak"]
+    monkeypatch.setattr(plan, "free_bytes", lambda path: need / 0.95)
+    session = run.Session(args, remix.METHOD)
+    try:
+        printed = capsys.readouterr().out
+        assert "remix: warning: disk is close" in printed and "(95%)" in printed, printed
+        assert "remix: plan: checkpoints:" in printed
+        kept = json.loads((out / "plan.json").read_text())
+        assert kept["disk"]["peak"] == need and kept["rows"][0][0] == "disk"
+        assert session.plan["disk"]["peak"] == need
+    finally:
+        runfolder.unlock()
+
+
+def test_a_gpu_that_cannot_hold_the_run_names_offload(tiny_model, train_file, tmp_path, monkeypatch, capsys):
+    """The paper's model on one 40 GB GPU (the device's size patched at its one reading; the config beside the tiny
+    tokenizer): PPO does not fit, and the line names --offload, which does."""
+    folder = tmp_path / "r1"
+    folder.mkdir()
+    for name in os.listdir(tiny_model):
+        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            (folder / name).write_bytes((Path(tiny_model) / name).read_bytes())
+    (folder / "config.json").write_text(Path(R1_15B).read_text())
+    monkeypatch.setattr(plan, "device_memory", lambda: 40e9)
+    monkeypatch.setattr(plan, "free_bytes", lambda path: 1e15)
+    monkeypatch.setattr(plan, "host_available", lambda: 1e12)
+    with pytest.raises(SystemExit):
+        remix.train(tiny_args(str(folder), train_file, tmp_path / "run", algo="ppo", precision="bf16",
+                              sampler="vllm"))
+    line = one_line(capsys)
+    assert "GPU memory per rank" in line and "--offload" in line.split("it fits with")[1], line
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Against measurements: real checkpoints, the host memory of a real update
+# ----------------------------------------------------------------------------------------------
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_the_plans_checkpoint_bytes_match_a_real_runs(tiny_model, train_file, tmp_path):
+    """A PPO run reincarnated at step 1 saves policy, critic, reference, optimizer shards and trainer state; each
+    part's real bytes within 2% of the plan's (the trainer state, the deque at its longest, is an upper bound)."""
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model, train_file, out, algo="ppo", steps=2, save_every=1, reincarnate_step=1, keep_last=0)
+    remix.train(args)
+    figures = plan.disk(plan.shape_of(tiny_model), remix.finalize_args(args), 1)
+    saved = out / "checkpoint-2"
+    policy = sum(p.stat().st_size for p in saved.iterdir() if p.is_file() and p.name != "trainer_state.pt")
+    real = {"model_folder": policy, "critic": tree_bytes(saved / "critic"), "reference": tree_bytes(saved / "reference"),
+            "optimizer": tree_bytes(saved / "optim"), "full": tree_bytes(saved)}
+    for part, size in real.items():
+        assert abs(figures[part] - size) / size < 0.02, (part, figures[part], size)
+    assert (saved / "trainer_state.pt").stat().st_size <= figures["trainer_state"]
+
+
+def measure_step(model: str, algo: str, tokens: int, checkpointing: bool) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "plan_step.py"), model, algo, str(tokens)]
+                          + (["--checkpointing"] if checkpointing else []), capture_output=True, text=True, env=env,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_plan_bounds_the_measured_host_memory_of_a_tiny_update(tiny_model, checkpointing):
+    """Two PPO update passes over a 4,096-token micro-batch (two padded rows), in a process of their own: the peak
+    resident memory they add is at most the plan's figure and at least 70% of it (docs/memory.md)."""
+    result = measure_step(tiny_model, "ppo", 4096, checkpointing)
+    assert 0.7 * result["plan"] <= result["measured"] <= result["plan"], result
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_the_plan_bounds_the_measured_host_memory_of_a_100m_update(tmp_path):
+    """A 99M-parameter Qwen2 (hidden 768, 8 layers, 32,768-token vocabulary, untied), GRPO over 2,048 tokens:
+    states and the output layer matter here, not only the trunk's activations."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=False,
+                         max_position_embeddings=16384, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "m100")
+    tokenizer.save_pretrained(tmp_path / "m100")
+    result = measure_step(str(tmp_path / "m100"), "grpo", 2048, False)
+    assert 90e6 < result["params"] < 110e6
+    assert 0.7 * result["plan"] <= result["measured"] <= result["plan"], result
+
+
+# ----------------------------------------------------------------------------------------------
+# --offload: the same run, its state on the host
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_offload_trains_saves_and_resumes_exactly_as_a_run_without_it(algo, tiny_model, train_file, tmp_path):
+    """On a CPU FSDP2's CPU offload runs its own code paths (offloaded shards, gradients to the host, the optimizer
+    step there) on the one device: a run with it logs the numbers and ends at the weights of a run without it, and
+    stopped after step 2 and resumed, its third step too."""
+    small = dict(algo=algo, group_size=2 if algo == "grpo" else 1, actor_lr=1e-3, critic_lr=1e-3)
+    plain = remix.train(tiny_args(tiny_model, train_file, tmp_path / "plain", **small))
+    out = tmp_path / "offload"
+    remix.train(tiny_args(tiny_model, train_file, out, steps=2, save_every=1, offload=True, **small))
+    resumed = remix.train(tiny_args(tiny_model, train_file, out, steps=3, resume=str(out), offload=True, **small))
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # noqa: E731
+    assert strip(read_metrics(out)) == strip(read_metrics(tmp_path / "plain"))
+    for name in ("policy", "critic"):
+        if plain[name] is not None:
+            want, got = full_state(plain[name]), full_state(resumed[name])
+            assert all(torch.equal(want[k], got[k]) for k in want), name
+    from machinery import dist
+
+    groups = dist._param_groups(resumed["policy"]._get_fsdp_state())  # the root's: embeddings, head, final norm
+    assert groups and all(p.offload_to_cpu for g in groups for p in g.fsdp_params)
