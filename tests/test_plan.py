@@ -69,7 +69,7 @@ def test_the_paper_models_memory_per_gpu_by_hand():
     layer = 8 * H + 8 * 2 * H + 4 * 2 * I + 2 * 9216 + 24
     per_token = L * 2 * H + layer + (4 + 3) * H + 9216 + 4 * (H + I)
     assert parts["activations"] == 16384 * per_token
-    assert parts["output layer"] == 6 * 1024 * V * 4 + 2 * 16384 * H * 2 + 4 * V * H
+    assert parts["output layer"] == 5 * 1024 * V * 4 + 2 * 16384 * H * 2 + 4 * V * H
     offloaded = plan.memory(shape, paper_args(), 1, True, True, 80e9)
     assert offloaded["parts"]["weights (fp32 masters)"] == offloaded["parts"]["AdamW moments (fp32)"] == 0
     assert offloaded["host_parts"]["AdamW moments (fp32)"] == 8 * (P + Pc)
