@@ -287,6 +287,8 @@ def remedies(shape: Shape, args, world: int, gpu: bool, device_bytes: float, wha
     options = []
     if what == "disk":
         options += [(f"--keep-last {k}", need({"keep_last": k})) for k in (3, 2, 1) if k < (args.keep_last or 10**9)]
+        if args.keep_last == 0 and args.save_every:  # every save's model folder is kept: fewer saves, fewer folders
+            options.append((f"--save-every {4 * args.save_every}", need({"save_every": 4 * args.save_every})))
         if args.algo == "ppo":
             options.append(("--algo grpo (no critic)", need({"algo": "grpo"})))
     else:
