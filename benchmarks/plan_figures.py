@@ -56,9 +56,9 @@ def main():
                     states = sum(parts[k] for k in ("weights (fp32 masters)", "AdamW moments (fp32)", "reference"))
                     fits = " / ".join("yes" if r["memory"]["peak"] <= card * 1e9 else "no"
                                       for r, card in zip(rows, CARDS))
+                    generation = " / ".join(gb(r["memory"]["generation"]) for r in rows)
                     print(f"| {name} | {algo.upper()} | {'yes' if offload else 'no'} | {gpus} | {gb(states)} | "
-                          f"{gb(rows[0]['memory']['update'])} | "
-                          f"{' / '.join(gb(r['memory']['generation']) for r in rows)} | {fits} | {gb(rows[0]['host'])} |")
+                          f"{gb(rows[0]['memory']['update'])} | {generation} | {fits} | {gb(rows[0]['host'])} |")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ call (`dist.all_reduce(...)`, `engines.push_weights(...)`), and nothing here cha
     data         training problems from files or the hub, checked row by row; the prompt stream
     run          a program's entry and the Session that ties the modules below to train()
     flags        each numeric flag's range, read from its docstring; impossible combinations; model path and hub
-    plan         before step 1: the disk and memory the run will take, from the model's config; one line if it cannot fit
+    plan         before step 1: the disk and memory a run will take, from the model's config; one line if it cannot fit
     runfolder    where a run may write, its lock, refusing to clobber a run, files rewritten whole
     logs         metrics.jsonl, completions.jsonl, TensorBoard and wandb, trimmed on resume
     metrics      the step's record, combined over the ranks from what the method hands over

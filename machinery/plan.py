@@ -317,10 +317,10 @@ def table(plan: dict, args) -> list[str]:
     lines = [f"checkpoints: {size(d['full'])} full, {size(d['model_folder'])} as a model folder; {d['saves']} saves, "
              f"--keep-last {args.keep_last}: {size(d['peak'])} at the peak of a save"]
     parts = ", ".join(f"{k} {size(v)}" for k, v in m["parts"].items() if v)
-    lines.append(f"memory per {'GPU' if plan['device_bytes'] else 'process'} ({plan['world']} rank"
-                 f"{'s' if plan['world'] > 1 else ''}{', --offload' if plan['offload'] else ''}, {m['tokens']} tokens a "
-                 f"micro-batch, checkpointing {'on' if m['checkpointing'] else 'off'}): {parts}; update {size(m['update'])},"
-                 f" generation {size(m['generation'])}")
+    ranks = f"{plan['world']} rank{'s' if plan['world'] > 1 else ''}{', --offload' if plan['offload'] else ''}"
+    lines.append(f"memory per {'GPU' if plan['device_bytes'] else 'process'} ({ranks}, {m['tokens']} tokens a "
+                 f"micro-batch, checkpointing {'on' if m['checkpointing'] else 'off'}): {parts}; "
+                 f"update {size(m['update'])}, generation {size(m['generation'])}")
     lines += [f"{what}: {size(need)} needed, {size(there)} there" for what, need, there in plan["rows"]]
     return lines
 

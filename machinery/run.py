@@ -94,7 +94,8 @@ class Session:
         self.args = args = method.finalize(args)
         flags.check_args(args)
         if getattr(args, "offload", False) and not dist.host_collectives():  # a resumed run's saved --offload
-            fail(f"{args.out} was trained with --offload: give --offload with --resume too (its process group needs it)")
+            fail(f"{args.out} was trained with --offload: give --offload with --resume too (its process group "
+                 f"needs gloo beside NCCL)")
         guard.reset(self.state["progress"].get("bad_updates", 0) if self.state else 0, args.out)
         flags.check_model_path(args.model)  # then everything that needs the hub, in seconds
         if os.path.isdir(args.model):  # a damaged weights file or a FIFO is named before --out is touched

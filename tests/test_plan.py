@@ -38,8 +38,9 @@ def paper_args(**changes):
 # ----------------------------------------------------------------------------------------------
 def test_the_paper_models_parameters_and_checkpoint_by_hand():
     """Qwen2: untied embeddings and head (2VH), per layer q/k/v with biases, o, the MLP's three matrices, two norms;
-    the final norm. The critic has a one-output score head (weights and bias) for the output layer. A full PPO checkpoint: fp32 policy and critic,
-    the bf16 reference (after step 100), AdamW's two fp32 moments of both: the issue's 'about 43 GB'."""
+    the final norm. The critic has a one-output score head (weights and bias) for the output layer. A full PPO
+    checkpoint: fp32 policy and critic, the bf16 reference (after step 100), AdamW's two fp32 moments of both: the
+    issue's 'about 43 GB'."""
     shape = plan.shape_of(R1_15B)
     V, H, L, I, KV = 151936, 1536, 28, 8960, 256
     layer = (H * H + H) + 2 * (H * KV + KV) + H * H + 3 * H * I + 2 * H
@@ -186,8 +187,9 @@ def test_the_plans_checkpoint_bytes_match_a_real_runs(tiny_model, train_file, tm
     figures = plan.disk(plan.shape_of(tiny_model), remix.finalize_args(args), 1)
     saved = out / "checkpoint-2"
     policy = sum(p.stat().st_size for p in saved.iterdir() if p.is_file() and p.name != "trainer_state.pt")
-    real = {"model_folder": policy, "critic": tree_bytes(saved / "critic"), "reference": tree_bytes(saved / "reference"),
-            "optimizer": tree_bytes(saved / "optim"), "full": tree_bytes(saved)}
+    real = {"model_folder": policy, "critic": tree_bytes(saved / "critic"),
+            "reference": tree_bytes(saved / "reference"), "optimizer": tree_bytes(saved / "optim"),
+            "full": tree_bytes(saved)}
     for part, size in real.items():
         assert abs(figures[part] - size) / size < 0.02, (part, figures[part], size)
     assert (saved / "trainer_state.pt").stat().st_size <= figures["trainer_state"]
