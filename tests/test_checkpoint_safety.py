@@ -30,8 +30,10 @@ DEFAULTS = dataclasses.asdict(remix.Args())
 
 @pytest.fixture(scope="module")
 def finished(tiny_model, train_file, tmp_path_factory):
-    """A two-step PPO run (a critic, two optimizers) with a checkpoint after each step, keeping the last 2."""
-    return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("finished"), keep_last=2)
+    """A two-step PPO run (a critic, two optimizers) with a checkpoint after each step, keeping the last 2, both full
+    (checkpoint-1 as a kill during its reduction leaves it): the resume's fallback has somewhere to go."""
+    return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("finished"), keep_last=2,
+                            older_full=True)
 
 
 def copy_of(folder: Path, tmp_path: Path) -> Path:
@@ -41,8 +43,11 @@ def copy_of(folder: Path, tmp_path: Path) -> Path:
 
 
 def save(out: Path, step: int, keep_last: int) -> str:
-    """checkpoints.save as a run calls it, without models: a trainer state and an optimizer file of that step."""
-    return checkpoints.save(str(out), step, {}, None, {}, {"progress": {"step": step}}, keep_last)
+    """checkpoints.save as a run calls it, without models: a trainer state and an optimizer file of that step, and
+    a config.json put in afterwards as the policy's model folder would hold it."""
+    folder = checkpoints.save(str(out), step, {}, None, {}, {"progress": {"step": step}}, keep_last)
+    Path(folder, "config.json").write_text("{}")
+    return folder
 
 
 def entries(out: Path) -> list[str]:
@@ -73,6 +78,48 @@ def test_a_kill_while_pruning_leaves_nothing_that_the_next_save_does_not_delete(
     (out / "checkpoint-0" / "model.safetensors").write_bytes(b"weights without a trainer state")
     save(out, 3, keep_last=1)
     assert entries(out) == ["checkpoint-3"]
+
+
+def test_a_kill_while_reducing_leaves_no_resumable_folder_and_the_next_save_finishes_it(tmp_path, monkeypatch):
+    """The kill lands after checkpoint-1's trainer state has moved into the trash, before its optimizer: checkpoint-1
+    is no resume's candidate (complete, latest's list) yet keeps its model folder; the next save clears the trash
+    and reduces what is left."""
+    out = tmp_path / "run"
+    save(out, 1, keep_last=3)
+    (out / "checkpoint-1" / "model.safetensors").write_bytes(b"the policy")
+    real_replace, moved = os.replace, []
+
+    def killed_midway(src, dst):
+        if moved:
+            raise KeyboardInterrupt  # the process dies here
+        moved.append(os.path.basename(src))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", lambda src, dst: killed_midway(src, dst) if ".trash-" in str(dst)
+                        else real_replace(src, dst))
+    with pytest.raises(KeyboardInterrupt):
+        save(out, 2, keep_last=3)
+    monkeypatch.undo()
+    Path(out, "checkpoint-2", "config.json").write_text("{}")  # what the interrupted helper had still to write
+    assert moved == ["trainer_state.pt"]  # the trainer state first: nothing resumes from what is left
+    assert checkpoints.complete(str(out)) == [str(out / "checkpoint-2")]
+    assert entries(out / "checkpoint-1") == ["config.json", "model.safetensors", "optim"]
+    assert len([p for p in entries(out) if p.startswith(".trash-")]) == 1
+    save(out, 3, keep_last=3)
+    assert entries(out) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert entries(out / "checkpoint-1") == ["config.json", "model.safetensors"]
+    assert entries(out / "checkpoint-2") == ["config.json"]
+    assert entries(out / "checkpoint-3") == ["config.json", "optim", "trainer_state.pt"]
+
+
+def test_keep_last_counts_model_folders_and_keeps_one_full_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    for step in range(1, 6):
+        save(out, step, keep_last=3)
+    assert entries(out) == ["checkpoint-3", "checkpoint-4", "checkpoint-5"]
+    assert [entries(out / f"checkpoint-{k}") for k in (3, 4, 5)] == [
+        ["config.json"], ["config.json"], ["config.json", "optim", "trainer_state.pt"]]
+    assert checkpoints.complete(str(out)) == [str(out / "checkpoint-5")]
 
 
 def test_keep_last_never_deletes_the_new_checkpoint_nor_a_folder_named_newer(tmp_path):
