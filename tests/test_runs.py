@@ -965,6 +965,62 @@ def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
 
 
+PLANTED = """
+import importlib.util, sys, time
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("gpu_check", Path(sys.argv[1]) / "benchmarks" / "gpu_check.py")
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+from machinery.messages import fail
+
+def planted_fp32():
+    fail("planted in the fp32 part")
+
+def planted_train(args, on_step=None):  # the end-to-end runs write into their folder, then fail or hang
+    Path(args.out).mkdir(parents=True)
+    Path(args.out, "model.safetensors").write_bytes(bytes(2**20))
+    if args.algo == "grpo":
+        fail("planted in the grpo run")
+    time.sleep(600)
+
+check.fp32_head_grad = planted_fp32
+check.remix.train = planted_train
+check.GRADER = True
+check.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+def test_a_part_of_the_gpu_check_that_fails_or_hangs_leaves_the_others_and_no_folder(tmp_path):
+    """A part that calls fail() (SystemExit) and one that runs past its limit are recorded, the other parts still
+    run, their run folders are removed, and the check exits 1 with every result in gpu_check.json."""
+    done = subprocess.run([sys.executable, "-c", PLANTED, str(HERE), str(tmp_path), "--parts", "attention,fp32,grpo,ppo",
+                           "--part-limit-s", "20"], env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True,
+                          text=True, timeout=600, cwd=HERE)
+    assert done.returncode == 1, done.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["cudnn_attention"]["ok"] is True  # the part before the failures
+    assert result["fp32_head_grad"]["error"] == "SystemExit: 2" and "planted in the fp32 part" in done.stderr
+    assert result["end_to_end_grpo"]["error"] == "SystemExit: 2" and "planted in the grpo run" in done.stderr
+    assert result["end_to_end_ppo"]["error"].startswith("PartTimeout") and result["seconds"]["ppo"] < 60
+    assert done.stdout.strip().splitlines()[-1].endswith("failed: fp32, grpo, ppo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
+
+
+def test_the_gpu_checks_command_line_takes_its_folder_anywhere(tmp_path):
+    """`gpu_check.py --full OUT` (as docs/memory.md writes it) is OUT in full mode, not a folder named --full."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", HERE / "benchmarks" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    for argv in (["--full", "OUT"], ["OUT", "--full"]):
+        parsed = check.parse(argv)
+        assert parsed.out == "OUT" and parsed.full and parsed.parts.split(",") == check.PARTS
+    with pytest.raises(SystemExit):
+        check.parse(["OUT", "--parts", "fp23"])
+
+
 def test_fsdp_parameter_groups_are_read_in_each_torch_layout(tiny_model):
     """dist.unsharded saves and restores each FSDP2 group's post-forward setting. torch 2.13 and 2.14 keep a
     state's groups in a list, 2.11 (the lent GPU machine's) in one attribute that may be None: both give the same
