@@ -306,12 +306,14 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
                      f"for 1)")
             return folder, state, optim
         earlier = [f for f in found if step_of(f) < step_of(folder)]
-        if not earlier:  # the older checkpoints were reduced to model folders: nothing else holds a training state
+        if not earlier and folder == found[-1]:  # the only full one: the older ones were reduced to model folders
             models = [p for p in named(out) if step_of(p) < step_of(folder) and is_model_folder(p)]
-            fail(f"--resume {out!r}: {problems[0][1]}; no earlier checkpoint holds a training state (older ones are "
-                 f"the policy's model folder alone): restore {folder} from a copy, or start a new run with --model "
-                 f"{models[-1] if models else folder} and another --out")
-        say(f"--resume: {problems[0][1]}; resuming from {earlier[-1]} instead")
+            fail(f"--resume {out!r}: {problems[0][1]}; no earlier checkpoint holds a training state"
+                 + (f" (the older ones are the policy's model folder alone): restore {folder} from a copy, or start "
+                    f"a new run with --model {models[-1]} and another --out" if models else
+                    f": restore {folder} from a copy, or start a new run with another --out"))
+        say(f"--resume: {problems[0][1]}; " + (f"resuming from {earlier[-1]} instead" if earlier else
+                                                    "no earlier checkpoint to fall back to"))
     fail(f"--resume {out!r}: no checkpoint can be read (see above); start a new run with another --out")
 
 

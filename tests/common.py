@@ -108,11 +108,11 @@ def two_step_ppo_run(model, data, root, keep_last: int, older_full: bool = False
                                "1" if older_full else "2", "--save-every", "1", "--keep-last", str(keep_last)))
     assert done.returncode == 0, done.stderr[-2000:]
     if older_full:
-        shutil.copytree(out / "checkpoint-1", root / "checkpoint-1-full")
+        shutil.copytree(out / "checkpoint-1", root / "step-1-aside")
         done = run_remix("--resume", str(out), "--steps", "2")
         assert done.returncode == 0, done.stderr[-2000:]
         shutil.rmtree(out / "checkpoint-1")
-        os.replace(root / "checkpoint-1-full", out / "checkpoint-1")
+        os.replace(root / "step-1-aside", out / "checkpoint-1")
     return out
 
 

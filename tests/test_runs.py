@@ -1021,6 +1021,30 @@ def test_the_gpu_checks_command_line_takes_its_folder_anywhere(tmp_path):
         check.parse(["OUT", "--parts", "fp23"])
 
 
+@pytest.mark.long
+@pytest.mark.slow
+def test_the_soak_benchmarks_short_form_holds_memory_files_and_disk(tmp_path):
+    """benchmarks/soak.py's pattern in 8 steps (vLLM, an evaluation every 2, a save every 3, reincarnation at 4,
+    --keep-last 3): host memory flat within a loose bound, no file descriptor left open step after step, and after
+    every save the checkpoints on disk what the layout says (the newest full, the older ones model folders)."""
+    done = subprocess.run([sys.executable, str(HERE / "benchmarks" / "soak.py"), "--out", str(tmp_path / "soak"),
+                           "--steps", "8", "--eval-every", "2", "--eval-limit", "1", "--save-every", "3",
+                           "--reincarnate-step", "4", "--prompts-per-step", "4", "--max-response-tokens", "8",
+                           "--warmup", "2"], env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "soak" / "soak.jsonl").open()]
+    steps = [r for r in rows if not r.get("after_run")]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert max(r["fds"] for r in steps[2:]) <= steps[2]["fds"] + 2  # a leak would add one or more every step
+    assert max(r["rss_mb"] for r in steps[2:]) - steps[2]["rss_mb"] < 200  # MB: a loose bound on a busy machine
+    saves = [r["layout"] for r in rows if r.get("layout")]
+    assert [s["checkpoints"] for s in saves] == [["checkpoint-3"], ["checkpoint-3", "checkpoint-6"],
+                                                 ["checkpoint-3", "checkpoint-6", "checkpoint-8"]]
+    assert [s["full"] for s in saves] == [["checkpoint-3"], ["checkpoint-6"], ["checkpoint-8"]]
+    assert all(s["checkpoint_bytes"] == s["layout_bytes"] for s in saves)
+
+
 def test_fsdp_parameter_groups_are_read_in_each_torch_layout(tiny_model):
     """dist.unsharded saves and restores each FSDP2 group's post-forward setting. torch 2.13 and 2.14 keep a
     state's groups in a list, 2.11 (the lent GPU machine's) in one attribute that may be None: both give the same
