@@ -123,7 +123,9 @@ def main():
     parser.add_argument("--table-only", action="store_true", help="only the table from OUT/soak.jsonl")
     cli = parser.parse_args()
     out = Path(cli.out)
-    command = "python benchmarks/soak.py " + " ".join(a for a in sys.argv[1:] if a != "--table-only")
+    argv = [a for a in sys.argv[1:] if a != "--table-only"]
+    argv = ["OUT" if i and argv[i - 1] == "--out" else a for i, a in enumerate(argv)]  # no path of this machine
+    command = "python benchmarks/soak.py " + " ".join(argv)
     if not cli.table_only:
         run(cli, out)
     rows = [json.loads(line) for line in open(out / "soak.jsonl")]
