@@ -85,11 +85,13 @@ def summarize(rows: list[dict], warmup: int) -> dict:
             "run_bytes_max": max((r["run_bytes"] for r in rows), default=0)}
 
 
-def table(summary: dict, command: str) -> str:
+def table(summary: dict, command: str, requested: int) -> str:
     s = summary
+    cut = f" (the run was stopped there, short of the command's {requested}: the figures cover those steps)" \
+        if s["steps"] < requested else ""
     lines = ["# Soak: the default schedule's pattern held over a long run (CPU, tiny model, vLLM sampler)", "",
              "Measured by", "", f"    {command}", "",
-             f"{s['steps']} steps; slopes are least squares over the steps after {s['warmup']} (the warm-up); the "
+             f"{s['steps']} steps{cut}; slopes are least squares over the steps after {s['warmup']} (the warm-up); the "
              "step time's slope is over the steps without an evaluation (a step's time ends before its save).", "",
              "| quantity | value |", "|---|---|",
              f"| host RSS after the warm-up, MB | {s['rss_mb_first']:.0f} |",
@@ -130,7 +132,7 @@ def main():
         run(cli, out)
     rows = [json.loads(line) for line in open(out / "soak.jsonl")]
     summary = summarize(rows, cli.warmup)
-    text = table(summary, command)
+    text = table(summary, command, cli.steps)
     print(text)
     if cli.results:
         Path(cli.results + ".md").write_text(text)
