@@ -291,7 +291,8 @@ def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, st
     for r, name, repeat in todo:
         start = time.perf_counter()
         generated = evaluation.generate(sampler, tokenizer, prompts[name], r["n"], r["temperature"], r["top_p"],
-                                        args.max_tokens, args.seed + repeat, args.vllm_tp, args.batch_size)
+                                        args.max_tokens, args.seed + repeat, args.vllm_tp, args.batch_size,
+                                        f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}", PROG)
         if dist.rank() == 0:
             unit = [{**record, "settings": stamp} for record in
                     evaluation.records(problems[name], generated, r["label"], repeat, args.seed + repeat)]

@@ -145,7 +145,7 @@ class Args:
     save_every: int = 50
     """>= 0: save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
     keep_last: int = 3
-    """>= 0: keep only the newest this many checkpoints (0 keeps all)"""
+    """>= 0: keep the newest this many checkpoints, the newest full and the others model folders (0: all)"""
     resume: str | None = None
     """continue the run in this folder from its newest checkpoint, with the run's saved arguments"""
     track: bool = False

@@ -2,7 +2,7 @@
 built offline: no hub needed), and the checks of the GPU review. The first thing to run on a GPU machine.
 
     python benchmarks/gpu_check.py OUT_DIR                  # the quick check (default)
-    python benchmarks/gpu_check.py OUT_DIR --full           # longer responses and micro-batches, no checkpointing
+    python benchmarks/gpu_check.py --full OUT_DIR           # longer responses and micro-batches, no checkpointing
     python benchmarks/gpu_check.py OUT_DIR --parts attention,fp32,micro,reshard,grpo,ppo,save,tp --budget-s 330
     torchrun --nproc-per-node 1 benchmarks/gpu_check.py OUT_DIR     # the same under torchrun, world size 1
 
@@ -16,13 +16,18 @@ it is installed (the sleep, push and wake cycle then runs every step); else tran
 
 How long: on one H200 the quick check is about 4-5 minutes (figures measured there before: building the 1.5B model
 and the micro-batch part about 1.5 minutes, a three-step GRPO run of 128-token responses 80 s; the PPO run is
-shorter here, at 128 tokens, than the 220 s measured at 512), and --budget-s (330 s by default) stops it starting
-a part once it is past that, recording the part as skipped: it ends within about 6 minutes. Each part is guarded
-(on CUDA a part that raises is recorded with its error and the rest still run), OUT_DIR/gpu_check.json is
-rewritten as each part finishes, every engine is shut down before the next part, and no checkpoint of the 1.5B
-models is written (about 43 GB for PPO, 25 GB for GRPO: a 64 GiB disk holds neither twice); the save part saves and
-resumes a small model instead. Without CUDA it runs the same code on the CPU with a tiny model and short lengths,
-as a dry run, and a failing part raises (a test runs it).
+shorter here, at 128 tokens, than the 220 s measured at 512). --budget-s (330 s by default) stops it starting a
+part once it is past that, recording the part as skipped, and --limit-s (400 s by default) stops a part that is still
+running then (an alarm; also --part-limit-s, 240 s, for any one part), recording it as timed out. The worst case is
+so --limit-s plus the cleanup of the part that was stopped (its engine shut down, its folders removed): under 7
+minutes. Each part is guarded: one that raises, calls fail() (SystemExit) or times out is recorded with its error and
+the rest still run, and the check exits 1 at the end if any part failed. OUT_DIR/gpu_check.json is rewritten as each
+part finishes, every engine is shut down before the next part, and nothing large is left under OUT_DIR whatever
+happens (a part's run folders go with it, failed or not, and the 1.5B model folder goes at the end, also after a
+failure or a SIGTERM): OUT_DIR ends with gpu_check.json and problems.jsonl. No checkpoint of the 1.5B models is
+written (about 43 GB for PPO, 25 GB for GRPO: a 64 GiB disk holds neither twice); the save part saves and resumes a
+small model instead. Without CUDA it runs the same code on the CPU with a tiny model and short lengths, as a dry
+run (a test runs it, and one with a planted fail() in a part).
 
 1. micro: the memory a run holds between updates (policy and critic with their fp32 masters and AdamW states,
    the bf16 reference), read after a real `remix.update` has released its gradients; then one policy and one
@@ -63,11 +68,13 @@ comparison) is reported as "skipped: needs CUDA". Each part's seconds are in the
 Writes OUT_DIR/gpu_check.json and prints each figure as it is measured.
 """
 
+import argparse
 import gc
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,16 +100,23 @@ NEEDS_GRADER = "skipped: needs math-verify (carry the wheels: python benchmarks/
 PARTS = ["attention", "fp32", "micro", "reshard", "grpo", "ppo", "save", "tp"]
 
 
+FAILED = []  # the parts and checks that raised, called fail() or timed out: the check then exits 1
+
+
+class PartTimeout(Exception):
+    """A part still running at its limit (--part-limit-s, --limit-s), raised by an alarm."""
+
+
 def guarded(name: str, fn, *args) -> dict:
-    """fn(*args), one of the review's checks. On CUDA a check that raises is recorded with its error and the rest
-    still run (a GPU session's minutes are few); the CPU dry run raises, so that a broken check fails its test."""
+    """fn(*args), one part or check. One that raises, calls machinery.messages.fail (a SystemExit) or times out is
+    recorded with its error and the rest still run (a GPU session's minutes are few); the failure is remembered, so
+    the check exits 1 at the end (the CPU dry run's test sees a broken part). A signal (KeyboardInterrupt) ends it."""
     try:
         return fn(*args)
-    except Exception as error:
-        if not CUDA:
-            raise
+    except (Exception, SystemExit) as error:
         import traceback
 
+        FAILED.append(name)
         print(f"gpu_check: {name} failed: {error!r}", flush=True)
         return {"ok": False, "error": f"{type(error).__name__}: {error}"[:500],
                 "traceback": traceback.format_exc()[-2000:]}
@@ -169,7 +183,15 @@ def metrics(out: Path) -> list[dict]:
 
 def end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: int, report: dict | None = None) -> dict:
     """With report (the first end-to-end run, vLLM installed): the threads and push_check checks too. The run's
-    checkpoint is not written (checkpoints.save records what it was handed instead), and its folder is removed."""
+    checkpoint is not written (checkpoints.save records what it was handed instead), and its folder is removed,
+    whether the run finishes, fails or times out."""
+    try:
+        return run_end_to_end(model, data, out, algo, response_tokens, report)
+    finally:
+        shutil.rmtree(out / algo, ignore_errors=True)
+
+
+def run_end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: int, report: dict | None):
     reset_peak()
     args = run_args(algo, model, data, out / algo, response_tokens)
     sampler = args.sampler
@@ -201,12 +223,20 @@ def end_to_end(model: Path, data: Path, out: Path, algo: str, response_tokens: i
         print(f"gpu_check: threads {json.dumps(report['threads'])}", flush=True)
         report["push_check"] = guarded("push check", push_check, state["llm"], state["policy"])
     shut_down(state)
-    shutil.rmtree(out / algo)
     return result
 
 
 def save_and_resume(data: Path, out: Path) -> dict:
-    """A small model's GRPO run of 3 steps, and the same run saved after step 2 and resumed: step 3 alike."""
+    """A small model's GRPO run of 3 steps, and the same run saved after step 2 and resumed: step 3 alike. Its
+    folders are removed whether it finishes, fails or times out."""
+    try:
+        return run_save_and_resume(data, out)
+    finally:
+        for folder in ("straight", "resumed", "small-model"):
+            shutil.rmtree(out / folder, ignore_errors=True)
+
+
+def run_save_and_resume(data: Path, out: Path) -> dict:
     model = out / "small-model"
     build_model(model, small=True)
     flags = dict(eval_every=0, **({} if CUDA else {"sampler": "hf"}))  # the CPU's resume on vLLM is a test's
@@ -219,8 +249,6 @@ def save_and_resume(data: Path, out: Path) -> dict:
     result = {"steps": [metrics(out / "straight")[-1]["step"], b["step"]], "figures": len(figures),
               "max_relative_difference_at_step_3": gap, "ok": b["step"] == 3 and gap < 1e-3}
     print(f"gpu_check: save and resume {json.dumps(result)}", flush=True)
-    for folder in ("straight", "resumed", "small-model"):
-        shutil.rmtree(out / folder)
     return result
 
 
@@ -458,21 +486,48 @@ def tensor_parallel(model: Path, data: Path, out: Path) -> dict:
     flags = ["--model", str(model), "--dataset", str(data), "--out", str(out / "tp"), "--algo", "grpo", "--steps", "2",
              "--prompts-per-step", "10", "--group-size", "2", "--max-response-tokens", "128", "--sampler", "vllm",
              "--vllm-tp", "2", "--save-every", "0", "--eval-every", "0", "--vllm-gpu-memory-utilization", "0.3"]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(ROOT / "tests" / "test_runs.py"), "engine-tokens", str(out / "tp"), *flags],
-                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    if done.returncode != 0:
-        return {"ok": False, "error": done.stderr[-2000:]}
-    ranks = [torch.load(out / "tp" / f"engine-tokens-rank{r}.pt") for r in (0, 1)]
-    shutil.rmtree(out / "tp")  # with the run's final checkpoint
-    return {"ok": ranks[0] == ranks[1], "calls": len(ranks[0])}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             str(ROOT / "tests" / "test_runs.py"), "engine-tokens", str(out / "tp"), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        _, stderr = proc.communicate()
+        if proc.returncode != 0:
+            return {"ok": False, "error": stderr[-2000:]}
+        ranks = [torch.load(out / "tp" / f"engine-tokens-rank{r}.pt") for r in (0, 1)]
+        return {"ok": ranks[0] == ranks[1], "calls": len(ranks[0])}
+    finally:
+        if proc.poll() is None:  # a timeout: torchrun and both ranks (its session) go with the part
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(out / "tp", ignore_errors=True)  # with the run's final checkpoint
 
 
-def main():
-    out = Path(sys.argv[1])
-    full = "--full" in sys.argv
-    parts = sys.argv[sys.argv.index("--parts") + 1].split(",") if "--parts" in sys.argv else PARTS
-    budget = float(sys.argv[sys.argv.index("--budget-s") + 1]) if "--budget-s" in sys.argv else 330.0
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="a folder for gpu_check.json (nothing large is left in it)")
+    parser.add_argument("--full", action="store_true", help="longer responses and micro-batches")
+    parser.add_argument("--quick", action="store_true", help="the default check (named for the command line)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="no part starts after this many seconds")
+    parser.add_argument("--limit-s", type=float, default=400.0, help="a part still running then is stopped")
+    parser.add_argument("--part-limit-s", type=float, default=240.0, help="the most seconds one part may run")
+    args = parser.parse_args(argv)
+    if args.full and args.quick:
+        parser.error("--full and --quick: give one")
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {', '.join(sorted(unknown))}; valid: {', '.join(PARTS)}")
+    return args
+
+
+def on_alarm(signum, frame):
+    raise PartTimeout("the part ran past its time limit (--part-limit-s, --limit-s)")
+
+
+def main(argv=None):
+    cli = parse(argv)
+    out, full, parts, budget = Path(cli.out), cli.full, cli.parts.split(","), cli.budget_s
     out.mkdir(parents=True, exist_ok=True)
     model, data = out / "r1-distill-1.5b-shaped", out / "problems.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
@@ -493,46 +548,63 @@ def main():
             report[key] = f"skipped: past the {budget:.0f} s budget (--budget-s)"
         else:
             start = time.perf_counter()
-            report[key] = guarded(name, fn, *args)
+            limit = min(cli.part_limit_s, cli.limit_s - (start - began))
+            signal.signal(signal.SIGALRM, on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, max(limit, 1.0))
+            try:
+                report[key] = guarded(name, fn, *args)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
             report["seconds"][name] = round(time.perf_counter() - start, 1)
+            if isinstance(report[key], dict) and report[key].get("ok") is False and "traceback" in report[key]:
+                from machinery import grader
+
+                grader.close_pool()  # a part stopped midway leaves no grading workers to the next
+            gc.collect()  # what a failed part still held (its engine, its models) before the next one
         print(f"gpu_check: {key} {json.dumps(report[key]) if isinstance(report[key], str) else 'done'}", flush=True)
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
 
-    part("attention", "cudnn_attention", cudnn_attention)
-    part("fp32", "fp32_head_grad", fp32_head_grad)
-    if {"micro", "reshard", "grpo", "ppo"} & set(parts):
-        build_model(model)
-    lengths = ([2048, 4096, 8192] if full else [2048, 8192]) if CUDA else [64]
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # the cleanup below runs on a SIGTERM too
+    try:
+        part("attention", "cudnn_attention", cudnn_attention)
+        part("fp32", "fp32_head_grad", fp32_head_grad)
+        if {"micro", "reshard", "grpo", "ppo"} & set(parts):
+            report["build"] = guarded("build", build_model, model) or "done"
+        lengths = ([2048, 4096, 8192] if full else [2048, 8192]) if CUDA else [64]
 
-    def micro():
-        held, rows = micro_batch(model, lengths, True, report if "reshard" in parts else None)
-        report["resident_between_updates_gib"] = held
-        return rows + (micro_batch(model, lengths[:1], False)[1] if full or not CUDA else [])
+        def micro():
+            held, rows = micro_batch(model, lengths, True, report if "reshard" in parts else None)
+            report["resident_between_updates_gib"] = held
+            return rows + (micro_batch(model, lengths[:1], False)[1] if full or not CUDA else [])
 
-    def reshard_alone():
-        policy, reference, critic, args = load_models(model, True)
-        return reference_reshard(reference, args)
+        def reshard_alone():
+            policy, reference, critic, args = load_models(model, True)
+            return reference_reshard(reference, args)
 
-    part("micro", "micro_batch", micro)
-    if "micro" not in parts:
-        part("reshard", "reference_reshard", reshard_alone)
-    checks = [a for a in ("grpo", "ppo") if a in parts][:1]  # threads and push_check ride on the first run
-    for algo in ("grpo", "ppo"):
-        tokens = (512 if full and algo == "ppo" else 128) if CUDA else 32
-        part(algo, f"end_to_end_{algo}", end_to_end, model, data, out, algo, tokens,
-             report if algo in checks else None, needs_grader=True)
-    for key in ("threads", "push_check"):
-        if key not in report and checks:
-            report[key] = "skipped: needs vLLM"
-    if VLLM and torch.cuda.device_count() >= 2 and dist.world() == 1:
-        part("tp", "tensor_parallel", tensor_parallel, model, data, out)
-    elif "tp" in parts:
-        report["tensor_parallel"] = "skipped: needs vLLM and two GPUs"
-    if model.exists():
-        shutil.rmtree(model)
-    part("save", "save_and_resume", save_and_resume, data, out, needs_grader=True)
+        part("micro", "micro_batch", micro)
+        if "micro" not in parts:
+            part("reshard", "reference_reshard", reshard_alone)
+        checks = [a for a in ("grpo", "ppo") if a in parts][:1]  # threads and push_check ride on the first run
+        for algo in ("grpo", "ppo"):
+            tokens = (512 if full and algo == "ppo" else 128) if CUDA else 32
+            part(algo, f"end_to_end_{algo}", end_to_end, model, data, out, algo, tokens,
+                 report if algo in checks else None, needs_grader=True)
+        for key in ("threads", "push_check"):
+            if key not in report and checks:
+                report[key] = "skipped: needs vLLM"
+        if VLLM and torch.cuda.device_count() >= 2 and dist.world() == 1:
+            part("tp", "tensor_parallel", tensor_parallel, model, data, out)
+        elif "tp" in parts:
+            report["tensor_parallel"] = "skipped: needs vLLM and two GPUs"
+        shutil.rmtree(model, ignore_errors=True)
+        part("save", "save_and_resume", save_and_resume, data, out, needs_grader=True)
+    finally:
+        shutil.rmtree(model, ignore_errors=True)  # 3 GB at 1.5B: never left under OUT_DIR, whatever stopped the check
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    print(f"gpu_check: done in {time.perf_counter() - began:.0f} s", flush=True)
+    print(f"gpu_check: done in {time.perf_counter() - began:.0f} s" + (f"; failed: {', '.join(FAILED)}" if FAILED
+                                                                        else ""), flush=True)
+    if FAILED:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ call (`dist.all_reduce(...)`, `engines.push_weights(...)`), and nothing here cha
     guard        a non-finite loss or gradient skips the update; three in a row stop the run
     signals      Ctrl-C, SIGTERM and SIGHUP end a program with one line that says what is kept
     messages     one clear line: fail (exit 2) and say, from the first process only
-    checkpoints  checkpoints written atomically, rotated, read back for an exact resume
+    checkpoints  checkpoints written atomically, rotated (older ones reduced to model folders), read back for a resume
     safeload     files from a folder a user points at, read without running anything they hold
     statecheck   what a checkpoint's trainer state and optimizer shards must hold before a resume uses them
     evaluation   Pass@1 on the benchmarks, for eval.py and for evaluation during training
+    progress     progress on long waits: an evaluation's done/total, tokens/s and time left; each step's line
     deepscaler   DeepScaleR's answer rules (the grader behind the paper's numbers), for eval.py --grader deepscaler
     notation     answers rewritten into notation math-verify reads (1.39e9, x', \\dfrac, ...) before it parses them
     curves       the pictures of eval.py --curves: Pass@1 against rollouts and tokens, length and reflection

@@ -6,13 +6,20 @@ without executing anything from the folder. A reader of the method may skip this
         optim/rank-R.pt          each rank's shard of both optimizers' state: tensors and numbers only
         trainer_state.pt         rank 0's progress, arguments, replay deque and RNG states; -rankR.pt for rank R
 
+Only the newest checkpoint is full. Once a new one is renamed into place, every older one that --keep-last keeps is
+reduced to its policy model folder (weights, config.json, generation_config.json, tokenizer files: what eval.py and
+vLLM load): a resume needs only the newest, and the older ones are kept for evaluation. So a save's peak on disk is
+two full checkpoints (the new one and the last) plus keep_last - 2 model folders, and between saves one full
+checkpoint and keep_last - 1 model folders.
+
 Every .pt file holds only tensors, numbers, strings, lists, tuples and dicts, and is read with torch's
 weights-only loader, which refuses anything else (a pickled object that could run code); model weights are
 safetensors (machinery.safeload reads them). Every file is checked before it is used: its type (no FIFO, which would
 block), its fields and shapes against what save() writes (machinery.statecheck), each model's weights against its
 config. A damaged,
 tampered, misnamed (the step is what trainer_state.pt says) or linked checkpoint is named in one line, and --resume
-falls back to the previous one. Deletes are crash-safe: renamed to .trash-* first, then removed.
+falls back to the previous full one if there is one (a kill during a reduction can leave one). Deletes and
+reductions are crash-safe: what goes is renamed into a .trash-* folder first (trainer_state.pt first), then removed.
 """
 
 import glob
@@ -30,6 +37,7 @@ from machinery import dist, safeload, statecheck
 from machinery.messages import fail, say
 
 FORMAT = 2  # 1: optimizers in torch.distributed.checkpoint's format, trainer state pickled (no longer read)
+TRAINING_PARTS = ("critic", "reference", "optim")  # with trainer_state*.pt: what an older checkpoint loses
 
 
 def state_file(folder: str, r: int) -> str:
@@ -88,7 +96,8 @@ def load_optimizer_shard(model, optim, shard: dict):
 def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer_state: dict, keep_last: int) -> str:
     """OUT/checkpoint-STEP (the layout above). Every rank writes into a temporary folder, renamed only once all have
     written; a failed write (a full disk, a read-only folder), whatever the writer raises, removes it, keeps the
-    previous checkpoints and stops the run with one line. Then --keep-last prunes the older ones (prune)."""
+    previous checkpoints and stops the run with one line. Then --keep-last prunes the older ones and reduces those it
+    keeps to model folders (prune)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
@@ -141,23 +150,65 @@ def named(out: str) -> list[str]:
     return sorted(found, key=step_of)
 
 
+def is_full(folder: str) -> bool:
+    """A checkpoint a run resumes from: renamed into place whole (every rank wrote it), with its trainer state."""
+    return not os.path.islink(folder) and os.path.isfile(state_file(folder, 0))
+
+
+def is_model_folder(folder: str) -> bool:
+    """An older kept checkpoint: the policy's model folder alone (a full one reduced), or a full one."""
+    return not os.path.islink(folder) and os.path.isfile(os.path.join(folder, "config.json"))
+
+
+def training_parts(folder: str) -> list[str]:
+    """What a full checkpoint holds beyond its policy's model folder, rank 0's trainer state first."""
+    states = sorted(glob.glob(os.path.join(folder, "trainer_state-rank*.pt")))
+    return [p for p in [state_file(folder, 0), *states, *(os.path.join(folder, n) for n in TRAINING_PARTS)]
+            if os.path.lexists(p)]
+
+
+def model_folder_bytes(folder: str) -> int:
+    """The bytes a checkpoint keeps once reduced: every file of its top level but the trainer states."""
+    parts = set(training_parts(folder))
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(folder, "*"))
+               if p not in parts and os.path.isfile(p) and not os.path.islink(p))
+
+
 def complete(out: str) -> list[str]:
-    """The complete checkpoints of a run folder (renamed into place, so every rank wrote them), oldest first; a
-    symbolic link is none of the run's own."""
-    return [p for p in named(out) if not os.path.islink(p) and os.path.isfile(state_file(p, 0))]
+    """The full checkpoints of a run folder (a resume's candidates), oldest first; a symbolic link is none of the
+    run's own."""
+    return [p for p in named(out) if is_full(p)]
 
 
 def prune(out: str, step: int, keep_last: int):
-    """--keep-last: the new checkpoint-STEP and the keep_last - 1 newest complete ones before it stay; only folders
-    named older than STEP go (a copy named checkpoint-999999999999 is never newer than the run's own, and never
-    deleted), with what an interrupted delete left. Links are never followed or removed."""
-    if keep_last <= 0:
-        return
+    """--keep-last: the new checkpoint-STEP and the keep_last - 1 newest checkpoints before it stay (full or model
+    folders; 0 keeps all), each older one reduced to its policy's model folder (reduce); only folders named older than
+    STEP are touched (a copy named checkpoint-999999999999 is never newer than the run's own, and never deleted),
+    with what an interrupted delete left. Links are never followed or removed."""
     older = [p for p in named(out) if step_of(p) < step and not os.path.islink(p)]
-    kept = [p for p in older if os.path.isfile(state_file(p, 0))][-(keep_last - 1):] if keep_last > 1 else []
+    if keep_last <= 0:
+        kept = older
+    else:
+        kept = [p for p in older if is_model_folder(p)][-(keep_last - 1):] if keep_last > 1 else []
     for folder in older:
         if folder not in kept:
             remove(folder)
+    for folder in kept:
+        reduce(folder)
+
+
+def reduce(folder: str):
+    """A full checkpoint down to its policy's model folder, crash-safely: its training parts are renamed into a new
+    .trash-* folder, rank 0's trainer state first, then deleted. A kill at any point leaves a folder that is no
+    longer a resume's candidate (no trainer_state.pt) and still a whole model folder; what it still holds beyond that
+    goes at the next save (prune reduces again), and the .trash-* folder at the next save or resume."""
+    parts = training_parts(folder)
+    if not parts:
+        return
+    trash = tempfile.mkdtemp(prefix=".trash-", dir=os.path.dirname(folder))
+    for index, path in enumerate(parts):
+        os.replace(path, os.path.join(trash, f"{index}-{os.path.basename(path)}"))
+    _delete(trash)
 
 
 def remove(path: str):
@@ -223,8 +274,8 @@ def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
 
 def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
     """For --resume: the newest checkpoint every rank can read, with this rank's trainer state and optimizer shard.
-    A damaged, tampered, misnamed or linked newest checkpoint is named in one line and the previous one is used,
-    saying so. defaults: the arguments' defaults (check_state). What a killed save or prune left is deleted."""
+    A damaged, tampered, misnamed or linked newest checkpoint is named in one line and the previous full one is
+    used, saying so; where there is none (the older ones are model folders), one line says what to do. defaults: the arguments' defaults (check_state). What a killed save or prune left is deleted."""
     if not os.path.isdir(out):
         fail(f"--resume {out!r}: no such run folder")
     if dist.rank() == 0:
@@ -255,6 +306,12 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
                      f"for 1)")
             return folder, state, optim
         earlier = [f for f in found if step_of(f) < step_of(folder)]
+        if not earlier and folder == found[-1]:  # the only full one: the older ones were reduced to model folders
+            models = [p for p in named(out) if step_of(p) < step_of(folder) and is_model_folder(p)]
+            fail(f"--resume {out!r}: {problems[0][1]}; no earlier checkpoint holds a training state"
+                 + (f" (the older ones are the policy's model folder alone): restore {folder} from a copy, or start "
+                    f"a new run with --model {models[-1]} and another --out" if models else
+                    f": restore {folder} from a copy, or start a new run with another --out"))
         say(f"--resume: {problems[0][1]}; " + (f"resuming from {earlier[-1]} instead" if earlier else
                                                     "no earlier checkpoint to fall back to"))
     fail(f"--resume {out!r}: no checkpoint can be read (see above); start a new run with another --out")

@@ -199,11 +199,12 @@ def warnings_from(name: str):
 
 @torch.no_grad()
 def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-                max_tokens: int, batch_size: int, seeds: list[int] | None = None):
+                max_tokens: int, batch_size: int, seeds: list[int] | None = None, on_batch=None):
     """The sampler for machines without vLLM: vllm_generate's contract with transformers' generate (no top-k;
     temperature 0 is greedy; no sampler log-probs: the sampler is the trainer). It stops at any end-of-sequence
     id of the model's generation config, as vLLM does. Sampling draws from torch's generator: given seeds, each
-    batch of prompts is seeded from its first prompt's seed, so the tokens depend on the seeds alone."""
+    batch of prompts is seeded from its first prompt's seed, so the tokens depend on the seeds alone.
+    on_batch(prompts, generated tokens) after each batch: progress."""
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
         dict(do_sample=False)
     eos = policy.generation_config.eos_token_id
@@ -226,4 +227,6 @@ def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, temperature
             for row in sequences[:, batch["prompt_len"]:].tolist():
                 end = next((j for j, token in enumerate(row) if token in stops), None)
                 results.append((row, "length", None) if end is None else (row[: end + 1], "stop", None))
+            if on_batch is not None:
+                on_batch(len(prompts[i : i + batch_size]), sum(len(r[0]) for r in results[-len(sequences):]))
     return [results[k * n : (k + 1) * n] for k in range(len(prompts))]

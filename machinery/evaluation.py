@@ -98,26 +98,32 @@ def load_benchmarks(names, data_dir: str | None, limit: int | None, hub: bool = 
 # Generation over the ranks, and grading
 # ----------------------------------------------------------------------------------------------
 def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: float, top_p: float,
-             max_tokens: int, seed: int, tp: int = 1, batch_size: int = 64,
-             progress: bool = True) -> list[list[tuple]]:
+             max_tokens: int, seed: int, tp: int = 1, batch_size: int = 64, label: str | None = None,
+             prog: str = "remix") -> list[list[tuple]]:
     """n responses per prompt, [[(text, tokens, finish_reason), ...] per prompt] on every rank. The prompts are
     split over the engines (one per rank, or per `tp` ranks), each engine's responses gathered. sampler is a vLLM
     engine or a transformers model. Each prompt's request seed depends on its index alone, so one process and
     several draw the same responses. A vLLM engine is awake here: training's engine sleeps only between its sample
-    and its push (engines' sleep contract)."""
-    from machinery import engines
+    and its push (engines' sleep contract). label: the first rank shows its share's progress under it
+    (machinery.progress: problems done, tokens per second, time left); the other ranks show nothing."""
+    from machinery import engines, progress
 
     share = math.ceil(len(prompts) / (dist.world() // tp))
     first = dist.rank() // tp * share
     mine = list(range(first, min(first + share, len(prompts))))
     seeds = [engines.request_seed(seed, 0, i, n) for i in mine]
     batch = [prompts[i] for i in mine]
+    share = f" (this process's share of {len(prompts)})" if dist.world() // tp > 1 else ""
+    meter = progress.Meter(label or "", len(batch), "problems" + share, prog)
+    meter.on = meter.on and label is not None
     if not hasattr(sampler, "llm_engine"):
         # every rank joins: a sharded policy gathers its weights (collectives) even for no prompts
-        raw = engines.hf_generate(sampler, tokenizer, batch, n, temperature, top_p, max_tokens, batch_size, seeds)
-    else:
-        raw = engines.vllm_generate(sampler, batch, n, seeds, temperature, top_p, max_tokens,
-                                    logprobs=False, use_tqdm=progress and dist.rank() == 0) if batch else []
+        raw = engines.hf_generate(sampler, tokenizer, batch, n, temperature, top_p, max_tokens, batch_size, seeds,
+                                  on_batch=meter.advance)
+    else:  # one call with every prompt (the batch vLLM schedules stays what it was); its bar reports to the meter
+        raw = engines.vllm_generate(sampler, batch, n, seeds, temperature, top_p, max_tokens, logprobs=False,
+                                    use_tqdm=progress.EngineBar(meter) if meter.on else False) if batch else []
+    meter.finish()
     texts = [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish, _ in group]
              for group in raw]
     gathered = dist.all_gather((mine, texts) if dist.rank() % tp == 0 else ([], []))
@@ -235,7 +241,7 @@ def during_training(session, step: int) -> dict:
     sampler = session.llm if session.llm is not None else session.models["policy"]
     max_tokens = args.eval_max_tokens or args.max_response_tokens
     generated = generate(sampler, session.tokenizer, prompts, 1, 0.0, 1.0, max_tokens, args.seed, args.vllm_tp,
-                         args.mini_batch_prompts, progress=False)
+                         args.mini_batch_prompts, label=f"evaluation at step {step}")
     record = {}
     if dist.rank() == 0:
         samples = records(problems, generated, "greedy", 0, args.seed)

@@ -136,9 +136,7 @@ class Session:
 
     def restore(self, policy, reference, critic, optimizers: list, replay, llm):
         """The models, optimizers, deque and RNGs of a resumed run (its weights were loaded from the checkpoint);
-        then the logs, the prompt stream and the progress bar."""
-        from tqdm.auto import tqdm
-
+        then the logs and the prompt stream."""
         from machinery import checkpoints, data, engines
 
         args = self.args
@@ -163,15 +161,13 @@ class Session:
         self.log = logs.RunLog(args.out, dataclasses.asdict(args), self.progress["step"], args.track)
         self.prompts = data.prompt_stream(self.problems, self.encode, args.max_prompt_tokens, args.seed,
                                           self.progress["data_position"])
-        self.bar = tqdm(total=args.steps, initial=self.progress["step"], desc="remix", dynamic_ncols=True,
-                        disable=dist.rank() != 0)
         self.step, self.laps, self.clock = self.progress["step"], {}, time.perf_counter()
+        self.first_step_at, self.steps_here = None, 0  # the time left is measured over this process's steps
 
     def __enter__(self):
         return self
 
     def __exit__(self, kind, error, trace):
-        self.bar.close()
         self.log.close()
         if error is not None and signals.from_signal(error):
             from machinery import grader  # what breaks after a signal (a writer wraps it in its own error) is the signal
@@ -187,6 +183,7 @@ class Session:
         for step in range(self.progress["step"] + 1, self.args.steps + 1):
             signals.check_interrupted()
             self.step, self.laps, self.clock, self.started = step, {}, time.perf_counter(), time.perf_counter()
+            self.first_step_at = self.first_step_at or self.started
             yield step
         signals.check_interrupted()
 
@@ -213,7 +210,7 @@ class Session:
         policy, tokenizer, batch) if given, and written with a few of its completions; the fields the method
         recomputes every step dropped from the samples, which the deque keeps; a checkpoint when due, with the
         reference model once reincarnation has made it pi_T (before, it is the base model, loaded again)."""
-        from machinery import checkpoints
+        from machinery import checkpoints, progress
 
         args, step = self.args, record["step"]
         gen, trainer, sync = dist.all_reduce(torch.tensor([self.laps.get(k, 0.0) for k in ("gen", "trainer",
@@ -234,9 +231,10 @@ class Session:
         self.log.write(record)
         self.log.completions(step, logs.completion_rows(step, fresh + history, self.tokenizer, args.log_completions,
                                                    self.method.final_answer))
-        self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", rollouts=self.progress["rollouts"],
-                             phase=record["phase"], refresh=False)
-        self.bar.update(1)
+        self.steps_here += 1
+        say(progress.step_line(step, args.steps, {"gen": gen, "trainer": trainer, "weight_sync": sync,
+                                                  "eval": record.get("perf/eval_s", 0.0)}, record["perf/step_s"],
+                               record["reward/mean"], self.steps_here, time.perf_counter() - self.first_step_at))
         self.progress["step"] = step
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoints.save(args.out, step, {**self.models, "reference": self.models["reference"] if reincarnated

@@ -96,12 +96,23 @@ def tiny_cli(model, data, out, *extra) -> list[str]:
             "--seed", "5", *extra]
 
 
-def two_step_ppo_run(model, data, root, keep_last: int):
-    """A two-step PPO run (a critic, two optimizers) from the command line, with a checkpoint after each step."""
+def two_step_ppo_run(model, data, root, keep_last: int, older_full: bool = False):
+    """A two-step PPO run (a critic, two optimizers) from the command line, with a checkpoint after each step: the
+    newest full, checkpoint-1 its policy's model folder. older_full: checkpoint-1 full too, as a kill during its
+    reduction leaves it (the run is stopped after step 1, its checkpoint copied aside, resumed and the copy put back),
+    for the tests of a resume that falls back to it."""
+    import shutil
+
     out = root / "run"
-    done = run_remix(*tiny_cli(model, data, out, "--algo", "ppo", "--group-size", "1", "--steps", "2",
-                               "--save-every", "1", "--keep-last", str(keep_last)))
+    done = run_remix(*tiny_cli(model, data, out, "--algo", "ppo", "--group-size", "1", "--steps",
+                               "1" if older_full else "2", "--save-every", "1", "--keep-last", str(keep_last)))
     assert done.returncode == 0, done.stderr[-2000:]
+    if older_full:
+        shutil.copytree(out / "checkpoint-1", root / "step-1-aside")
+        done = run_remix("--resume", str(out), "--steps", "2")
+        assert done.returncode == 0, done.stderr[-2000:]
+        shutil.rmtree(out / "checkpoint-1")
+        os.replace(root / "step-1-aside", out / "checkpoint-1")
     return out
 
 

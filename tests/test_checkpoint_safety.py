@@ -1,4 +1,6 @@
-"""Checkpoints and model folders that are not what they seem: a kill while --keep-last prunes, a copy of a checkpoint
+"""Checkpoints: the layout a run keeps (the newest full, the older ones model folders, the bytes on disk after and
+during each save), and checkpoints and model folders that are not what they seem: a kill while --keep-last prunes or
+reduces, a copy of a checkpoint
 under a newer name, a checkpoint folder that is a symbolic link, a trainer state or optimizer shard that the safe
 loader accepts but whose content is wrong, a FIFO where a file should be, a truncated base model, a model whose
 context is shorter than the run needs, and a hub generation config that transformers refuses to save.
@@ -30,8 +32,10 @@ DEFAULTS = dataclasses.asdict(remix.Args())
 
 @pytest.fixture(scope="module")
 def finished(tiny_model, train_file, tmp_path_factory):
-    """A two-step PPO run (a critic, two optimizers) with a checkpoint after each step, keeping the last 2."""
-    return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("finished"), keep_last=2)
+    """A two-step PPO run (a critic, two optimizers) with a checkpoint after each step, keeping the last 2, both full
+    (checkpoint-1 as a kill during its reduction leaves it): the resume's fallback has somewhere to go."""
+    return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("finished"), keep_last=2,
+                            older_full=True)
 
 
 def copy_of(folder: Path, tmp_path: Path) -> Path:
@@ -41,8 +45,11 @@ def copy_of(folder: Path, tmp_path: Path) -> Path:
 
 
 def save(out: Path, step: int, keep_last: int) -> str:
-    """checkpoints.save as a run calls it, without models: a trainer state and an optimizer file of that step."""
-    return checkpoints.save(str(out), step, {}, None, {}, {"progress": {"step": step}}, keep_last)
+    """checkpoints.save as a run calls it, without models: a trainer state and an optimizer file of that step, and
+    a config.json put in afterwards as the policy's model folder would hold it."""
+    folder = checkpoints.save(str(out), step, {}, None, {}, {"progress": {"step": step}}, keep_last)
+    Path(folder, "config.json").write_text("{}")
+    return folder
 
 
 def entries(out: Path) -> list[str]:
@@ -73,6 +80,118 @@ def test_a_kill_while_pruning_leaves_nothing_that_the_next_save_does_not_delete(
     (out / "checkpoint-0" / "model.safetensors").write_bytes(b"weights without a trainer state")
     save(out, 3, keep_last=1)
     assert entries(out) == ["checkpoint-3"]
+
+
+def test_a_kill_while_reducing_leaves_no_resumable_folder_and_the_next_save_finishes_it(tmp_path, monkeypatch):
+    """The kill lands after checkpoint-1's trainer state has moved into the trash, before its optimizer: checkpoint-1
+    is no resume's candidate (complete, latest's list) yet keeps its model folder; the next save clears the trash
+    and reduces what is left."""
+    out = tmp_path / "run"
+    save(out, 1, keep_last=3)
+    (out / "checkpoint-1" / "model.safetensors").write_bytes(b"the policy")
+    real_replace, moved = os.replace, []
+
+    def killed_midway(src, dst):
+        if moved:
+            raise KeyboardInterrupt  # the process dies here
+        moved.append(os.path.basename(src))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", lambda src, dst: killed_midway(src, dst) if ".trash-" in str(dst)
+                        else real_replace(src, dst))
+    with pytest.raises(KeyboardInterrupt):
+        save(out, 2, keep_last=3)
+    monkeypatch.undo()
+    Path(out, "checkpoint-2", "config.json").write_text("{}")  # what the interrupted helper had still to write
+    assert moved == ["trainer_state.pt"]  # the trainer state first: nothing resumes from what is left
+    assert checkpoints.complete(str(out)) == [str(out / "checkpoint-2")]
+    assert entries(out / "checkpoint-1") == ["config.json", "model.safetensors", "optim"]
+    assert len([p for p in entries(out) if p.startswith(".trash-")]) == 1
+    save(out, 3, keep_last=3)
+    assert entries(out) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert entries(out / "checkpoint-1") == ["config.json", "model.safetensors"]
+    assert entries(out / "checkpoint-2") == ["config.json"]
+    assert entries(out / "checkpoint-3") == ["config.json", "optim", "trainer_state.pt"]
+
+
+def test_keep_last_counts_model_folders_and_keeps_one_full_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    for step in range(1, 6):
+        save(out, step, keep_last=3)
+    assert entries(out) == ["checkpoint-3", "checkpoint-4", "checkpoint-5"]
+    assert [entries(out / f"checkpoint-{k}") for k in (3, 4, 5)] == [
+        ["config.json"], ["config.json"], ["config.json", "optim", "trainer_state.pt"]]
+    assert checkpoints.complete(str(out)) == [str(out / "checkpoint-5")]
+
+
+def top_level_bytes(folder: Path, leave_out=("trainer_state",)) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and not p.name.startswith(leave_out))
+
+
+def all_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_default_like_schedule_keeps_one_full_state_and_model_folders_that_eval_reads(tiny_model, train_file,
+                                                                                        tmp_path, monkeypatch, capsys):
+    """PPO, a save every step, --keep-last 3, 4 steps: after each save the newest checkpoint is full and the older
+    ones hold exactly the policy's files they held when full; the bytes on disk are the new full checkpoint plus
+    those model folders, and at the save's peak (the new one renamed in, nothing pruned yet) the previous full one
+    too. eval.py evaluates a reduced checkpoint; a damaged newest one stops a resume in one line naming what to do."""
+    out, keep = tmp_path / "run", 3
+    real_save, real_prune = checkpoints.save, checkpoints.prune
+    policy_files, policy_bytes, after, peaks = {}, {}, [], []
+
+    def prune(run, step, keep_last):  # the peak: the new checkpoint renamed into place, the older ones as they were
+        peaks.append((step, sum(all_bytes(p) for p in out.glob("checkpoint-*"))))
+        return real_prune(run, step, keep_last)
+
+    def save(run, step, *rest):
+        folder = Path(real_save(run, step, *rest))
+        policy_files[step] = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != "trainer_state.pt")
+        policy_bytes[step] = top_level_bytes(folder)
+        after.append((step, sorted(p.name for p in out.glob("checkpoint-*")),
+                      sum(all_bytes(p) for p in out.glob("checkpoint-*")), all_bytes(folder)))
+        return str(folder)
+
+    monkeypatch.setattr(checkpoints, "save", save)
+    monkeypatch.setattr(checkpoints, "prune", prune)
+    remix.train(tiny_args(tiny_model, train_file, out, algo="ppo", steps=4, save_every=1, keep_last=keep))
+    monkeypatch.undo()
+    n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(
+        str(out / "checkpoint-4")).parameters())
+    assert 4 * n_params <= (out / "checkpoint-4" / "model.safetensors").stat().st_size < 4 * n_params + 2**16
+    for step, names, total, full in after:
+        kept = list(range(max(1, step - keep + 1), step + 1))
+        assert names == [f"checkpoint-{k}" for k in kept]
+        assert total == full + sum(policy_bytes[k] for k in kept[:-1])  # one full state, the rest model folders
+    for step, peak in peaks:
+        previous = [k for k in range(max(1, step - keep), step)]  # before the prune: keep - 1 older ones
+        full_before = dict((s, f) for s, _, _, f in after)
+        assert peak == full_before[step] + (full_before[step - 1] - policy_bytes[step - 1] if step > 1 else 0) + \
+            sum(policy_bytes[k] for k in previous)
+    assert checkpoints.complete(str(out)) == [str(out / "checkpoint-4")]
+    for k in (2, 3):
+        folder = out / f"checkpoint-{k}"
+        assert sorted(p.name for p in folder.iterdir()) == policy_files[k]  # no critic/, optim/, reference/
+        assert "model.safetensors" in policy_files[k] and "config.json" in policy_files[k]
+    assert {"critic", "optim", "trainer_state.pt"} <= {p.name for p in (out / "checkpoint-4").iterdir()}
+    done = run_remix("--model", str(out / "checkpoint-2"), "--benchmarks", "aime24", "--limit", "2", "--sampler", "hf",
+                     "--max-tokens", "8", "--out", str(tmp_path / "eval"), program="eval.py")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len((tmp_path / "eval" / "samples.jsonl").read_text().splitlines()) == 2
+    state = out / "checkpoint-4" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:200])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:  # this process still holds the run's lock: latest() as --resume calls it
+        checkpoints.latest(str(out), DEFAULTS)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("remix: error: --resume"), err
+    assert err[0].endswith(f"no earlier checkpoint holds a training state (the older ones are the policy's model "
+                           f"folder alone): restore {out / 'checkpoint-4'} from a copy, or start a new run with --model "
+                           f"{out / 'checkpoint-3'} and another --out"), err
 
 
 def test_keep_last_never_deletes_the_new_checkpoint_nor_a_folder_named_newer(tmp_path):

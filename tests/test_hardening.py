@@ -262,7 +262,8 @@ class Payload:
 @pytest.fixture(scope="module")
 def finished_run(tiny_model, train_file, tmp_path_factory):
     """A two-step PPO run with a checkpoint after each step (PPO: a critic folder too)."""
-    return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("finished"), keep_last=0)
+    return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("finished"), keep_last=0,
+                            older_full=True)
 
 
 def plant(folder: Path, name: str, marker: Path):

@@ -137,10 +137,18 @@ def sigterm_on_open(name: str, program: str, *argv) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="module")
 def two_steps(tiny_model, train_file, tmp_path_factory):
-    """A two-step GRPO run with a checkpoint after each step."""
-    out = tmp_path_factory.mktemp("two_steps") / "run"
-    done = run_remix(*tiny_cli(tiny_model, train_file, out, "--steps", "2", "--save-every", "1", "--keep-last", "0"))
+    """A two-step GRPO run with a checkpoint after each step, both full (checkpoint-1 as a kill during its reduction
+    leaves it: stopped after step 1, its checkpoint copied aside, resumed, the copy put back), so that a resume can go
+    back to step 1."""
+    root = tmp_path_factory.mktemp("two_steps")
+    out = root / "run"
+    done = run_remix(*tiny_cli(tiny_model, train_file, out, "--steps", "1", "--save-every", "1", "--keep-last", "0"))
     assert done.returncode == 0, done.stderr[-2000:]
+    shutil.copytree(out / "checkpoint-1", root / "step-1-aside")
+    done = run_remix("--resume", str(out), "--steps", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    shutil.rmtree(out / "checkpoint-1")
+    os.replace(root / "step-1-aside", out / "checkpoint-1")
     return out
 
 

@@ -947,8 +947,9 @@ def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
     (the same code on a tiny model) must keep working, or that budget goes on fixing the script. Mix stage,
     switch and on-policy stage, with the PPO and GRPO step counts and rollouts of its three-step runs."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, str(HERE / "benchmarks" / "gpu_check.py"), str(tmp_path), "--quick"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(HERE / "benchmarks" / "gpu_check.py"), str(tmp_path), "--quick",
+                           "--budget-s", "1500", "--limit-s", "1500", "--part-limit-s", "1500"],  # a busy CPU is slow
+                          env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["device"] == "cpu (dry run)" and result["world_size"] == 1
@@ -963,6 +964,86 @@ def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
     assert result["save_and_resume"]["ok"] and result["save_and_resume"]["steps"] == [3, 3]
     assert set(result["seconds"]) == {"attention", "fp32", "micro", "grpo", "ppo", "save"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
+
+
+PLANTED = """
+import importlib.util, sys, time
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("gpu_check", Path(sys.argv[1]) / "benchmarks" / "gpu_check.py")
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+from machinery.messages import fail
+
+def planted_fp32():
+    fail("planted in the fp32 part")
+
+def planted_train(args, on_step=None):  # the end-to-end runs write into their folder, then fail or hang
+    Path(args.out).mkdir(parents=True)
+    Path(args.out, "model.safetensors").write_bytes(bytes(2**20))
+    if args.algo == "grpo":
+        fail("planted in the grpo run")
+    time.sleep(600)
+
+check.fp32_head_grad = planted_fp32
+check.remix.train = planted_train
+check.GRADER = True
+check.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+def test_a_part_of_the_gpu_check_that_fails_or_hangs_leaves_the_others_and_no_folder(tmp_path):
+    """A part that calls fail() (SystemExit) and one that runs past its limit are recorded, the other parts still
+    run, their run folders are removed, and the check exits 1 with every result in gpu_check.json."""
+    done = subprocess.run([sys.executable, "-c", PLANTED, str(HERE), str(tmp_path), "--parts", "attention,fp32,grpo,ppo",
+                           "--part-limit-s", "20"], env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True,
+                          text=True, timeout=600, cwd=HERE)
+    assert done.returncode == 1, done.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["cudnn_attention"]["ok"] is True  # the part before the failures
+    assert result["fp32_head_grad"]["error"] == "SystemExit: 2" and "planted in the fp32 part" in done.stderr
+    assert result["end_to_end_grpo"]["error"] == "SystemExit: 2" and "planted in the grpo run" in done.stderr
+    assert result["end_to_end_ppo"]["error"].startswith("PartTimeout") and result["seconds"]["ppo"] < 60
+    assert done.stdout.strip().splitlines()[-1].endswith("failed: fp32, grpo, ppo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
+
+
+def test_the_gpu_checks_command_line_takes_its_folder_anywhere(tmp_path):
+    """`gpu_check.py --full OUT` (as docs/memory.md writes it) is OUT in full mode, not a folder named --full."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", HERE / "benchmarks" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    for argv in (["--full", "OUT"], ["OUT", "--full"]):
+        parsed = check.parse(argv)
+        assert parsed.out == "OUT" and parsed.full and parsed.parts.split(",") == check.PARTS
+    with pytest.raises(SystemExit):
+        check.parse(["OUT", "--parts", "fp23"])
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_the_soak_benchmarks_short_form_holds_memory_files_and_disk(tmp_path):
+    """benchmarks/soak.py's pattern in 8 steps (vLLM, an evaluation every 2, a save every 3, reincarnation at 4,
+    --keep-last 3): host memory flat within a loose bound, no file descriptor left open step after step, and after
+    every save the checkpoints on disk what the layout says (the newest full, the older ones model folders)."""
+    done = subprocess.run([sys.executable, str(HERE / "benchmarks" / "soak.py"), "--out", str(tmp_path / "soak"),
+                           "--steps", "8", "--eval-every", "2", "--eval-limit", "1", "--save-every", "3",
+                           "--reincarnate-step", "4", "--prompts-per-step", "4", "--max-response-tokens", "8",
+                           "--warmup", "2"], env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "soak" / "soak.jsonl").open()]
+    steps = [r for r in rows if not r.get("after_run")]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert max(r["fds"] for r in steps[2:]) <= steps[2]["fds"] + 2  # a leak would add one or more every step
+    assert max(r["rss_mb"] for r in steps[2:]) - steps[2]["rss_mb"] < 200  # MB: a loose bound on a busy machine
+    saves = [r["layout"] for r in rows if r.get("layout")]
+    assert [s["checkpoints"] for s in saves] == [["checkpoint-3"], ["checkpoint-3", "checkpoint-6"],
+                                                 ["checkpoint-3", "checkpoint-6", "checkpoint-8"]]
+    assert [s["full"] for s in saves] == [["checkpoint-3"], ["checkpoint-6"], ["checkpoint-8"]]
+    assert all(s["checkpoint_bytes"] == s["layout_bytes"] for s in saves)
 
 
 def test_fsdp_parameter_groups_are_read_in_each_torch_layout(tiny_model):
