@@ -200,7 +200,7 @@ def prepare(args: EvalArgs, sizes: dict) -> list[dict]:
     if dist.rank() == 0:
         for name in ("samples.jsonl", "summary.json", "results.md"):
             if args.overwrite or not kept:
-                (out / name).unlink(missing_ok=True)
+                runfolder.remove(str(out / name), missing_ok=True)
         runfolder.replace_file(str(saved_path), [json.dumps(settings, indent=1)])
         evaluation.write_jsonl(str(samples_path), kept)  # aside, then renamed over it: a signal loses no record
     return dist.broadcast(kept)
@@ -323,9 +323,9 @@ def main(args: EvalArgs) -> dict:
         samples = evaluate(args)
     summary = evaluation.summarize(samples, remix.SELF_REFLECTION_WORDS, args.grader) if dist.rank() == 0 else {}
     if dist.rank() == 0:
-        Path(args.out, "summary.json").write_text(json.dumps(summary, indent=1))
+        runfolder.replace_file(os.path.join(args.out, "summary.json"), [json.dumps(summary, indent=1)])
         table = evaluation.markdown(summary)
-        Path(args.out, "results.md").write_text(table)
+        runfolder.replace_file(os.path.join(args.out, "results.md"), [table])
         print(table)
         print(f"{len(samples)} samples in {time.perf_counter() - start:.1f} s (Pass@1 by {args.grader}); written to "
               f"{args.out}", flush=True)

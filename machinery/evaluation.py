@@ -240,7 +240,7 @@ def during_training(session, step: int) -> dict:
     if dist.rank() == 0:
         samples = records(problems, generated, "greedy", 0, args.seed)
         grade(method, samples, args.grader_workers, args.grade_timeout)
-        os.makedirs(os.path.join(args.out, "eval"), exist_ok=True)
+        runfolder.makedirs(os.path.join(args.out, "eval"))
         write_jsonl(os.path.join(args.out, "eval", f"step-{step}.jsonl"), samples)
         table = summarize(samples, method.reflection_words)["greedy"]
         for name, entry in table.items():
@@ -260,7 +260,7 @@ def write_jsonl(path: str, rows: list[dict], mode: str = "w"):
     """rows as a new file (written aside and renamed over path: never half a file), or appended (mode "a")."""
     if mode == "w":
         return runfolder.replace_file(path, [json.dumps(r) + "\n" for r in rows])
-    with open(path, mode) as f:
+    with runfolder.open_file(path, mode) as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
         f.flush()
         os.fsync(f.fileno())
