@@ -32,6 +32,9 @@ def main(program, prog: str = "remix"):
 
     try:
         result = program()
+    except runfolder.Linked as linked:  # a link where the program writes (inside --out): refused, never followed
+        grader.close_pool()
+        fail(str(linked), prog)
     except BaseException as interrupt:  # what breaks after a signal (code that wraps it in its own error) is the signal
         if not signals.from_signal(interrupt):
             raise
@@ -109,7 +112,8 @@ class Session:
             self.tokenizer, problem, args.prompt_suffix, args.system_prompt), self.checkpoint or args.model)
         if not self.tokenizer.chat_template:
             say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text")
-        data.first_fitting_prompt(self.problems, self.encode, args.max_prompt_tokens)
+        self.max_chars = data.char_bound(self.tokenizer, args.max_prompt_tokens)  # longer problems cannot fit
+        data.first_fitting_prompt(self.problems, self.encode, args.max_prompt_tokens, self.max_chars)
         self.benchmarks = evaluation.load_benchmarks(args.eval_benchmarks, args.eval_data_dir, args.eval_limit) \
             if args.eval_every else []
         longest = max((len(self.encode(p["problem"])) for p in self.benchmarks), default=0)
@@ -157,7 +161,7 @@ class Session:
             say(f"resuming {args.out} after step {self.progress['step']} from {self.checkpoint}")
         self.log = logs.RunLog(args.out, dataclasses.asdict(args), self.progress["step"], args.track)
         self.prompts = data.prompt_stream(self.problems, self.encode, args.max_prompt_tokens, args.seed,
-                                          self.progress["data_position"])
+                                          self.progress["data_position"], self.max_chars)
         self.bar = tqdm(total=args.steps, initial=self.progress["step"], desc="remix", dynamic_ncols=True,
                         disable=dist.rank() != 0)
         self.step, self.laps, self.clock = self.progress["step"], {}, time.perf_counter()

@@ -219,15 +219,20 @@ MODES = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CRE
 
 
 def open_file(path: str, mode: str = "w", **kwargs):
-    """open(path, mode) for writing ('w', 'a', 'a+', 'x', with 'b' for bytes), never through a link (Linked)."""
+    """open(path, mode) for writing ('w', 'a', 'a+', 'x', with 'b' for bytes), never through a link: with 'w' a link
+    at path is replaced by the new file (as a rename would), with the others it is refused (Linked)."""
     with _parent(path) as (fd, name):
+        if mode.startswith("w") and _is_link(name, fd):
+            os.unlink(name, dir_fd=fd)
         try:
             handle = os.open(name, MODES[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=fd)
         except OSError as error:
             if error.errno == errno.ELOOP:
                 raise Linked(os.path.abspath(path)) from None
             raise
-    return os.fdopen(handle, mode, **kwargs)
+    opened = os.fdopen(handle, mode, **kwargs)
+    (opened.buffer.raw if hasattr(opened, "buffer") else opened.raw).name = path  # as open(path) names it
+    return opened
 
 
 def replace(source: str, target: str):
