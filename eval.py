@@ -164,11 +164,26 @@ def held_files(out: Path) -> list[Path]:
     return [p for p in out.iterdir() if p.name != runfolder.LOCK] if out.is_dir() else []
 
 
+def refuse_model_folder(out: Path):
+    if dist.rank() == 0 and out.is_dir() and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
+        fail(f"--out {out} holds a model (config.json, *.safetensors): give the evaluation a folder of its own")
+
+
+def refuse_foreign(args: EvalArgs):
+    """--out is no model's or checkpoint's folder (even with --overwrite), and, unless --overwrite, holds nothing
+    but an evaluation: refused before anything, the lock included, is written there."""
+    out = Path(args.out)
+    refuse_model_folder(out)
+    if dist.rank() == 0 and held_files(out) and not args.overwrite and saved_settings(out) is None:
+        fail(f"--out {out} already holds files that are not an evaluation's; choose another --out or pass --overwrite")
+
+
 def prepare(args: EvalArgs, sizes: dict) -> list[dict]:
     """--out locked and checked (continued, refused, or replaced); returns the samples of the runs already finished
     there (a run of a benchmark is finished when all its sizes[(label, benchmark)] samples were written)."""
     out, settings = Path(args.out), settings_of(args)
     saved_path, samples_path = out / "settings.json", out / "samples.jsonl"
+    refuse_foreign(args)  # before the lock, which would leave its file in a model's folder
     runfolder.lock(args.out, PROG)  # first: a folder another eval writes into is neither read nor written
     kept = []
     if dist.rank() == 0 and out.is_dir():  # nothing read or rewritten there may block
@@ -211,6 +226,7 @@ def prepare_regrade(args: EvalArgs):
     writes into an evaluation of a model (which a later run with the same --out would continue, counting these
     records as its own), or into anything else but an earlier regrade; --overwrite replaces what is there."""
     out = Path(args.out)
+    refuse_model_folder(out)
     if dist.rank() == 0 and held_files(out) and not args.overwrite:
         saved = saved_settings(out) or {}
         if "regrade" not in saved:

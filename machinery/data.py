@@ -40,11 +40,28 @@ def problem_text(value, where: str = "the problem") -> str:
     raise ValueError(f"{where} is {value!r:.60}: a problem must be a non-empty string")
 
 
+LOCAL_FORMS = (".jsonl", ".json", ".parquet")  # the files read here; any other name is a hub id
+# names no hub id has: a file of a form not read here, never sent to the hub (or the datasets library, which reads a
+# local folder of them and caches it under the home folder)
+OTHER_FILES = {".csv", ".tsv", ".txt", ".arrow", ".xlsx", ".xls", ".gz", ".zip", ".jsonl.gz", ".yaml", ".yml"}
+
+
+def check_dataset(path: str, prog: str = "remix"):
+    """--dataset is a local .jsonl/.json/.parquet file or a hub id: a local folder, a file of another form (.csv)
+    and a name no hub id has get one line naming the accepted forms, before the hub is asked anything."""
+    if not path.endswith(LOCAL_FORMS) and (os.path.lexists(path) or not flags.is_hub_id(path)
+                                           or os.path.splitext(path)[1].lower() in OTHER_FILES):
+        what = "a folder" if os.path.isdir(path) else "a file of another form" if os.path.lexists(path) else \
+            "neither a local file nor a hub id"
+        fail(f"dataset {path!r} is {what}: pass a local .jsonl, .json or .parquet file, or a hub id (org/name)", prog)
+
+
 def load_problems(path: str, problem_key: str, answer_key: str, prog: str = "remix") -> list[tuple[str, str]]:
     """(problem, answer) pairs from a hub dataset or a local .jsonl/.json/.parquet file. A row whose problem or
     answer is missing, empty or of another type is skipped, and the count said in one line; a file with no usable
     row, or whose rows lack the columns, stops with one line."""
-    rows = read_rows(path, prog) if path.endswith((".jsonl", ".json", ".parquet")) else load_hub_rows(path, prog=prog)
+    check_dataset(path, prog)
+    rows = read_rows(path, prog) if path.endswith(LOCAL_FORMS) else load_hub_rows(path, prog=prog)
     if not rows:
         fail(f"dataset {path!r} holds no rows", prog)
     columns = sorted(rows[0])

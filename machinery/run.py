@@ -103,6 +103,7 @@ class Session:
                 safeload.check_model_folder(args.model)
             except ValueError as error:
                 fail(f"cannot load model {args.model!r}: {error}")
+        data.check_dataset(args.dataset)  # a folder or a .csv is no hub id
         flags.check_hub({f"--{k}": getattr(args, k) for k in ("model", "dataset") if flags.is_hub_id(getattr(args, k))
                    and not getattr(args, k).endswith((".jsonl", ".json", ".parquet"))})
         self.problems = data.load_problems(args.dataset, args.problem_key, args.answer_key)
@@ -167,6 +168,7 @@ class Session:
         self.step, self.laps, self.clock = self.progress["step"], {}, time.perf_counter()
 
     def __enter__(self):
+        signals.running(lambda: (self.step, self.args.out))
         return self
 
     def __exit__(self, kind, error, trace):
