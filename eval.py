@@ -164,7 +164,12 @@ def held_files(out: Path) -> list[Path]:
     return [p for p in out.iterdir() if p.name != runfolder.LOCK] if out.is_dir() else []
 
 
-def refuse_model_folder(out: Path):
+def refuse_unsafe_out(out: Path, read=("settings.json", "samples.jsonl")):
+    """--out holds no model, and no link where an evaluation reads its own files back (what a link points to would
+    be read as this evaluation's settings or samples; the files only written are replaced, never followed)."""
+    for name in read:
+        if dist.rank() == 0 and (out / name).is_symlink():
+            fail(str(runfolder.Linked(str(out / name))))
     if dist.rank() == 0 and out.is_dir() and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
         fail(f"--out {out} holds a model (config.json, *.safetensors): give the evaluation a folder of its own")
 
@@ -173,7 +178,7 @@ def refuse_foreign(args: EvalArgs):
     """--out is no model's or checkpoint's folder (even with --overwrite), and, unless --overwrite, holds nothing
     but an evaluation: refused before anything, the lock included, is written there."""
     out = Path(args.out)
-    refuse_model_folder(out)
+    refuse_unsafe_out(out)
     if dist.rank() == 0 and held_files(out) and not args.overwrite and saved_settings(out) is None:
         fail(f"--out {out} already holds files that are not an evaluation's; choose another --out or pass --overwrite")
 
@@ -226,7 +231,7 @@ def prepare_regrade(args: EvalArgs):
     writes into an evaluation of a model (which a later run with the same --out would continue, counting these
     records as its own), or into anything else but an earlier regrade; --overwrite replaces what is there."""
     out = Path(args.out)
-    refuse_model_folder(out)
+    refuse_unsafe_out(out, read=("settings.json",))  # a regrade writes its samples.jsonl, never reads it
     if dist.rank() == 0 and held_files(out) and not args.overwrite:
         saved = saved_settings(out) or {}
         if "regrade" not in saved:

@@ -195,6 +195,7 @@ def resume_job(first_step):
     return fresh, lambda out: run_remix("--resume", str(out), "--steps", "2")
 
 
+@pytest.mark.slow
 def test_links_at_the_paths_a_resume_writes_one_level_down(first_step, resumed, tmp_path):
     """The folder's own entries (the lock, the logs, tb, eval, checkpoint-2): each refused or replaced. The
     issue's four: OUT/.remix.lock, a linked tb, a linked eval, and (eval.py below) summary.json and results.md."""
@@ -247,6 +248,7 @@ def test_links_at_every_path_an_evaluation_and_a_regrade_write(tiny_model, evalu
     outcome = check_planted(listing(evaluated), start, fresh, evaluated, tmp_path / "eval", "eval")
     assert {"summary.json", "results.md", "samples.jsonl", "settings.json"} <= set(outcome), outcome
     assert outcome["summary.json"] == outcome["results.md"] == "replaced", outcome
+    assert outcome["settings.json"] == outcome["samples.jsonl"] == "refused", outcome  # read back: not followed
     regraded = tmp_path / "regraded"
     samples = tmp_path / "samples.jsonl"
     shutil.copy(evaluated / "samples.jsonl", samples)
@@ -257,6 +259,7 @@ def test_links_at_every_path_an_evaluation_and_a_regrade_write(tiny_model, evalu
     assert outcome["samples.jsonl"] == "replaced", outcome
 
 
+@pytest.mark.slow
 def test_links_at_every_file_curves_draws(resumed, tmp_path):
     """--curves: each PNG a link, replaced by the drawing; the target keeps its bytes."""
     curves = tmp_path / "curves"
