@@ -3,8 +3,8 @@ primitives (a static walk of their syntax trees finds any other), and a symbolic
 resume, an evaluation, a regrade or --curves writes (found from a listing of what a real one wrote, so a new file is
 covered) is refused in one line or replaced, its target untouched.
 
-    pytest -q tests/test_links.py                # the static walk, and one planted folder of each kind
-    pytest -q tests/test_links.py -m long        # every path each kind writes
+    pytest -q tests/test_links.py                # the static walk; a resume's top level, eval, regrade, curves
+    pytest -q tests/test_links.py -m long        # every path a resume writes, and a new run
 """
 
 import ast
@@ -219,6 +219,7 @@ def test_links_at_every_path_a_resume_writes(first_step, resumed, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_links_at_the_paths_a_new_run_writes(tiny_model, train_file, first_step, tmp_path):
     """A new run with --overwrite into a folder of links (its lock, logs, tb, eval, checkpoints): the lock is
     refused, the rest removed as links (their targets untouched)."""
@@ -240,23 +241,26 @@ def evaluated(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_links_at_every_path_an_evaluation_and_a_regrade_write(tiny_model, evaluated, tmp_path):
-    """An evaluation continued (its samples.jsonl, settings.json, summary.json, results.md, lock) and a regrade,
-    each path from the listing of a real one."""
+def test_links_at_every_path_an_evaluation_writes(tiny_model, evaluated, tmp_path):
+    """An evaluation continued over links at each path a real one wrote (its lock, settings.json, samples.jsonl,
+    summary.json, results.md): those it reads back are refused, those it only writes replaced."""
     start = lambda out: run_remix("--model", tiny_model, *EVAL, "--out", str(out), program="eval.py")  # noqa: E731
     fresh = lambda out: shutil.copytree(evaluated, out)  # noqa: E731
-    outcome = check_planted(listing(evaluated), start, fresh, evaluated, tmp_path / "eval", "eval")
+    outcome = check_planted(listing(evaluated), start, fresh, evaluated, tmp_path, "eval")
     assert {"summary.json", "results.md", "samples.jsonl", "settings.json"} <= set(outcome), outcome
     assert outcome["summary.json"] == outcome["results.md"] == "replaced", outcome
     assert outcome["settings.json"] == outcome["samples.jsonl"] == "refused", outcome  # read back: not followed
-    regraded = tmp_path / "regraded"
-    samples = tmp_path / "samples.jsonl"
+
+
+@pytest.mark.slow
+def test_links_at_every_path_a_regrade_writes(evaluated, tmp_path):
+    samples, regraded = tmp_path / "samples.jsonl", tmp_path / "regraded"
     shutil.copy(evaluated / "samples.jsonl", samples)
     regrade = lambda out: run_remix("--regrade", str(samples), "--out", str(out), program="eval.py")  # noqa: E731
     assert regrade(regraded).returncode == 0
     outcome = check_planted(listing(regraded), regrade, lambda out: shutil.copytree(regraded, out), regraded,
-                            tmp_path / "regrade", "eval")
-    assert outcome["samples.jsonl"] == "replaced", outcome
+                            tmp_path, "eval")
+    assert outcome["samples.jsonl"] == outcome["summary.json"] == "replaced", outcome
 
 
 @pytest.mark.slow
