@@ -49,25 +49,25 @@ class EvalArgs:
     """custom: --n/--temperature/--top-p as given; paper: greedy everywhere, plus temperature 0.1 with 32 seeded
     runs on AIME and AMC and one on the rest; deepscaler: 16 samples at temperature 0.6, top-p 0.95"""
     n: int = 1
-    """>= 1: samples per problem (custom protocol)"""
+    """in [1, 1024]: samples per problem (custom protocol)"""
     temperature: float = 0.0
-    """>= 0: 0 is greedy (custom protocol)"""
+    """in [0, 100]: 0 is greedy (custom protocol)"""
     top_p: float = 1.0
     """nucleus sampling, in (0, 1] (custom protocol)"""
     max_tokens: int = 8192
-    """>= 1: generation budget per response, as in the paper"""
+    """in [1, 1048576]: generation budget per response, as in the paper"""
     grader: Literal["math-verify", "deepscaler"] = "math-verify"
     """the answer check the table reports (both are always computed; the table counts where they disagree)"""
     sampler: Literal["vllm", "hf"] = "vllm"
     """vllm (default) or hf (transformers' generate)"""
     vllm_tp: int = 1
-    """>= 1: ranks that share one vLLM engine (tensor parallel) under torchrun, for models one GPU cannot hold"""
+    """in [1, 1024]: ranks sharing one vLLM engine (tensor parallel) under torchrun, for models one GPU cannot hold"""
     vllm_gpu_memory_utilization: float = 0.9
     """in (0, 1): the GPU memory share of the engine"""
     precision: Literal["bf16", "fp32"] | None = None
     """the engine's dtype (default: bf16 on GPU, fp32 on CPU)"""
     limit: int | None = None
-    """>= 1: evaluate only the first this many problems of each benchmark (smoke tests)"""
+    """in [1, 1000000]: evaluate only the first this many problems of each benchmark (smoke tests)"""
     system_prompt: str | None = None
     """a system turn before the problem (training's default has none)"""
     prompt_suffix: str = remix.Args.prompt_suffix
@@ -83,13 +83,13 @@ class EvalArgs:
     """run folders: draw Pass@1 against rollouts and generated tokens, and length and self-reflection against steps,
     from their metrics.jsonl into --out (PNG)"""
     workers: int = 2
-    """>= 1: grading worker processes"""
+    """in [1, 1024]: grading worker processes"""
     grade_timeout: float = 20.0
-    """> 0: seconds one answer may take to grade before it counts as a failure (and wrong)"""
+    """in (0, 1e6]: seconds one answer may take to grade before it counts as a failure (and wrong)"""
     seed: int = 0
     """in [0, 2147483647]: sampling seed (run r of a protocol uses seed + r)"""
     batch_size: int = 64
-    """>= 1: prompts per generate call with --sampler hf"""
+    """in [1, 65536]: prompts per generate call with --sampler hf"""
 
 
 def fail(message: str):
@@ -164,11 +164,31 @@ def held_files(out: Path) -> list[Path]:
     return [p for p in out.iterdir() if p.name != runfolder.LOCK] if out.is_dir() else []
 
 
+def refuse_unsafe_out(out: Path, read=("settings.json", "samples.jsonl")):
+    """--out holds no model, and no link where an evaluation reads its own files back (what a link points to would
+    be read as this evaluation's settings or samples; the files only written are replaced, never followed)."""
+    for name in read:
+        if dist.rank() == 0 and (out / name).is_symlink():
+            fail(str(runfolder.Linked(str(out / name))))
+    if dist.rank() == 0 and out.is_dir() and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
+        fail(f"--out {out} holds a model (config.json, *.safetensors): give the evaluation a folder of its own")
+
+
+def refuse_foreign(args: EvalArgs):
+    """--out is no model's or checkpoint's folder (even with --overwrite), and, unless --overwrite, holds nothing
+    but an evaluation: refused before anything, the lock included, is written there."""
+    out = Path(args.out)
+    refuse_unsafe_out(out)
+    if dist.rank() == 0 and held_files(out) and not args.overwrite and saved_settings(out) is None:
+        fail(f"--out {out} already holds files that are not an evaluation's; choose another --out or pass --overwrite")
+
+
 def prepare(args: EvalArgs, sizes: dict) -> list[dict]:
     """--out locked and checked (continued, refused, or replaced); returns the samples of the runs already finished
     there (a run of a benchmark is finished when all its sizes[(label, benchmark)] samples were written)."""
     out, settings = Path(args.out), settings_of(args)
     saved_path, samples_path = out / "settings.json", out / "samples.jsonl"
+    refuse_foreign(args)  # before the lock, which would leave its file in a model's folder
     runfolder.lock(args.out, PROG)  # first: a folder another eval writes into is neither read nor written
     kept = []
     if dist.rank() == 0 and out.is_dir():  # nothing read or rewritten there may block
@@ -200,7 +220,7 @@ def prepare(args: EvalArgs, sizes: dict) -> list[dict]:
     if dist.rank() == 0:
         for name in ("samples.jsonl", "summary.json", "results.md"):
             if args.overwrite or not kept:
-                (out / name).unlink(missing_ok=True)
+                runfolder.remove(str(out / name), missing_ok=True)
         runfolder.replace_file(str(saved_path), [json.dumps(settings, indent=1)])
         evaluation.write_jsonl(str(samples_path), kept)  # aside, then renamed over it: a signal loses no record
     return dist.broadcast(kept)
@@ -211,6 +231,7 @@ def prepare_regrade(args: EvalArgs):
     writes into an evaluation of a model (which a later run with the same --out would continue, counting these
     records as its own), or into anything else but an earlier regrade; --overwrite replaces what is there."""
     out = Path(args.out)
+    refuse_unsafe_out(out, read=("settings.json",))  # a regrade writes its samples.jsonl, never reads it
     if dist.rank() == 0 and held_files(out) and not args.overwrite:
         saved = saved_settings(out) or {}
         if "regrade" not in saved:
@@ -246,17 +267,20 @@ def evaluate(args: EvalArgs) -> list[dict]:
     samples.jsonl as it finishes; those already there (an interrupted evaluation with the same settings) are kept."""
     names = evaluation.resolve(args.benchmarks, PROG)
     problems = {name: evaluation.load_benchmark(name, args.data_dir, args.limit, args.hub, PROG) for name in names}
-    runs = protocol_runs(args, names)
-    sizes = {(r["label"], name): len(problems[name]) * r["n"] for r in runs for name in names}
     # every prompt is built before --out is touched: a chat template that fails stops with one line, leaving nothing
     tokenizer = run.load_tokenizer(args.model, PROG)
+    context, source = models.context_length(args.model, tokenizer) or (None, None)
+    if context is not None:  # a problem longer than the context can hold is skipped unrendered (data.char_bound)
+        bound = data.char_bound(tokenizer, context)
+        problems = {name: evaluation.fitting(rows, bound, PROG) for name, rows in problems.items()}
+    runs = protocol_runs(args, names)
+    sizes = {(r["label"], name): len(problems[name]) * r["n"] for r in runs for name in names}
     if not tokenizer.chat_template:
         messages.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text", PROG)
     encode = data.template_guard(lambda problem: remix.build_prompt(tokenizer, problem, args.prompt_suffix,
                                                                     args.system_prompt), args.model, PROG)
     prompts = {name: [encode(p["problem"]) for p in rows] for name, rows in problems.items()}
     longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
-    context, source = models.context_length(args.model, tokenizer) or (None, None)
     if context is not None and longest + args.max_tokens > context:  # before --out is written
         fail(f"{args.model} takes at most {context} tokens ({source}), and the longest prompt "
              f"({longest} tokens) plus --max-tokens {args.max_tokens} is {longest + args.max_tokens}; "
@@ -324,9 +348,9 @@ def main(args: EvalArgs) -> dict:
         samples = evaluate(args)
     summary = evaluation.summarize(samples, remix.SELF_REFLECTION_WORDS, args.grader) if dist.rank() == 0 else {}
     if dist.rank() == 0:
-        Path(args.out, "summary.json").write_text(json.dumps(summary, indent=1))
+        runfolder.replace_file(os.path.join(args.out, "summary.json"), [json.dumps(summary, indent=1)])
         table = evaluation.markdown(summary)
-        Path(args.out, "results.md").write_text(table)
+        runfolder.replace_file(os.path.join(args.out, "results.md"), [table])
         print(table)
         print(f"{len(samples)} samples in {time.perf_counter() - start:.1f} s (Pass@1 by {args.grader}); written to "
               f"{args.out}", flush=True)

@@ -42,19 +42,19 @@ class Args:
     algo: Literal["ppo", "grpo"] = "ppo"
     """PPO (critic, V-trace GAE) or GRPO (group-normalised outcome advantage, no critic)"""
     steps: int = 350
-    """number of training steps (rollout batches), >= 1; with --resume, a larger value extends a run"""
+    """number of training steps (rollout batches), in [1, 1000000]; with --resume, a larger value extends a run"""
     prompts_per_step: Annotated[int | None, flags.hint("(default: 256 for PPO, 128 for GRPO)")] = None
-    """B, >= 1: prompts per step over all processes (fresh plus historical), each with group_size responses"""
+    """B, in [1, 65536]: prompts per step over all processes (fresh plus historical), each with group_size responses"""
     group_size: Annotated[int | None, flags.hint("(default: 1 for PPO, 8 for GRPO)")] = None
-    """responses per prompt, >= 1 (>= 2 for GRPO)"""
+    """responses per prompt, in [1, 1024] (>= 2 for GRPO)"""
     off_policy_p: float = 0.4
     """p, in [0, 1): the share of each batch's prompts drawn from the replay deque during the mix stage"""
     window: int = 2
-    """N, >= 1: how many previous policies' batches the replay deque keeps"""
+    """N, in [1, 1000]: how many previous policies' batches the replay deque keeps"""
     utd: int = 2
-    """m, >= 1: update-to-data ratio, passes over each batch in the mix stage (1 = the 'no higher UTD' ablation)"""
+    """m, in [1, 1000]: update-to-data ratio, passes over each mix-stage batch (1 = the 'no higher UTD' ablation)"""
     reincarnate_step: int = 100
-    """T, >= 0: the last mix-stage step; after it the reference becomes pi_T and training is on-policy"""
+    """T, in [0, 1000000]: the last mix-stage step; after it the reference becomes pi_T and training is on-policy"""
     reincarnation: bool = True
     """switch to on-policy training after T (--no-reincarnation is the paper's ablation)"""
     kl_convex: bool = True
@@ -62,19 +62,19 @@ class Args:
     on_policy: bool = False
     """plain on-policy PPO/GRPO, the baseline: p = 0, m = 1, no reincarnation, lambda fixed at 1"""
     kl_convex_start: int = 50
-    """>= 0: the step after which lambda(t) starts to fall (Eq. 5: 50)"""
+    """in [0, 1000000]: the step after which lambda(t) starts to fall (Eq. 5: 50)"""
     kl_convex_every: int = 10
-    """>= 1: lambda(t) falls by 0.1 every this many steps (Eq. 5: 10)"""
+    """in [1, 1000000]: lambda(t) falls by 0.1 every this many steps (Eq. 5: 10)"""
     kl_beta: float = 0.001
-    """beta, >= 0: the coefficient of the KL-Convex term (0 loads no reference model)"""
+    """beta, in [0, 1e6]: the coefficient of the KL-Convex term (0 loads no reference model)"""
     ent_coef: float = 0.001
-    """>= 0: coefficient of the entropy bonus"""
+    """in [0, 1e6]: coefficient of the entropy bonus"""
     clip_eps: float = 0.2
     """eps, in (0, 1): the clip range of Mix-PPG around pi_k/mu"""
     value_clip: float = 0.5
-    """> 0: clip range of the value loss"""
+    """in (0, 1e6]: clip range of the value loss"""
     vtrace_c_bar: float = 1.0
-    """c_bar, > 0: the truncation of the V-trace coefficients"""
+    """c_bar, in (0, 1e6]: the truncation of the V-trace coefficients"""
     grpo_vtrace: bool = False
     """GRPO: scale A_hat by the product of later trace coefficients (vanishes on long responses; Decision 4)"""
     gamma: float = 1.0
@@ -82,29 +82,29 @@ class Args:
     gae_lambda: float = 1.0
     """the lambda of GAE / V-trace, in [0, 1]"""
     actor_lr: float = 1e-6
-    """> 0: policy learning rate (constant)"""
+    """in (0, 1]: policy learning rate (constant)"""
     critic_lr: float = 1e-5
-    """> 0: critic learning rate (constant)"""
+    """in (0, 1]: critic learning rate (constant)"""
     weight_decay: float = 0.01
-    """>= 0: AdamW weight decay of both optimizers (verl's default)"""
+    """in [0, 1e6]: AdamW weight decay of both optimizers (verl's default)"""
     max_grad_norm: float = 1.0
-    """> 0: gradient-norm clip of both models"""
+    """in (0, 1e6]: gradient-norm clip of both models"""
     mini_batch_prompts: int = 32
-    """>= 1: prompts whose responses form one mini-batch (one optimizer step), over all processes"""
+    """in [1, 65536]: prompts whose responses form one mini-batch (one optimizer step), over all processes"""
     temperature: float = 1.0
-    """> 0: sampling temperature for training rollouts (log-probs use the same temperature)"""
+    """in (0, 100]: sampling temperature for training rollouts (log-probs use the same temperature)"""
     top_p: float = 1.0
     """nucleus sampling, in (0, 1]; keep 1.0, truncated sampling biases the importance ratios"""
     max_prompt_tokens: int = 1024
-    """>= 1: longer prompts are skipped"""
+    """in [1, 1048576]: longer prompts are skipped"""
     max_response_tokens: int = 8192
-    """>= 1: generation budget per response"""
+    """in [1, 1048576]: generation budget per response"""
     prompt_suffix: str = " Let's think step by step and output the final answer within \\boxed{}."
     """appended to every problem (the paper's prompt)"""
     system_prompt: str | None = None
     """a system turn before the problem (the paper has none)"""
     sampler_is_cap: float | None = None
-    """C > 0: weight each fresh token's Mix-PPG term by min(pi_trainer / pi_vllm, C); off (Decision 18)"""
+    """C in (0, 1e6]: weight each fresh token's Mix-PPG term by min(pi_trainer / pi_vllm, C); off (Decision 18)"""
     # ---- the run: model and data, devices and engines, output, evaluation ----
     model: str = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
     """hub id or local folder of the base policy (also the reference and, for PPO, the critic's trunk)"""
@@ -115,7 +115,7 @@ class Args:
     answer_key: str = "answer"
     """the dataset column holding the gold answer"""
     max_tokens_per_micro_batch: int = 16384
-    """>= 1: padded tokens per forward/backward; responses of similar length share one, a longer one runs alone"""
+    """in [1, 1073741824]: padded tokens per forward/backward; similar lengths share one, a longer one runs alone"""
     sampler: Literal["vllm", "hf"] = "vllm"
     """vllm (default) or transformers' generate, for machines without vLLM"""
     vllm_gpu_memory_utilization: float = 0.35
@@ -123,7 +123,7 @@ class Args:
     vllm_sleep: bool = True
     """GPU only: vLLM sleeps (level 2: weights and KV cache freed, no host copy) from each sample to its push"""
     vllm_tp: int = 1
-    """>= 1: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
+    """in [1, 1024]: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
     offload: bool = False
     """keep each trained model's fp32 weights, gradients and AdamW state in host memory (FSDP2's CPU offload)"""
     precision: Annotated[Literal["bf16", "fp32"] | None, flags.hint("(default: bf16 on GPU, fp32 on CPU)")] = None
@@ -131,37 +131,37 @@ class Args:
     gradient_checkpointing: Annotated[bool | None, flags.hint("(default: on GPU)")] = None
     """recompute activations in the backward pass of both models (saves memory on long responses)"""
     grader_workers: int = 2
-    """>= 1: processes (per rank) that grade answers with math-verify"""
+    """in [1, 1024]: processes (per rank) that grade answers with math-verify"""
     grade_timeout: float = 20.0
-    """> 0: seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
+    """in (0, 1e6]: seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
     seed: int = 1
     """in [0, 2147483647]: seed of python, numpy, torch and of every vLLM request"""
     dist_timeout: float = 60.0
-    """> 0: minutes a collective may wait for the other ranks (they wait while rank 0 writes a checkpoint)"""
+    """in (0, 1e6]: minutes a collective may wait for the other ranks (they wait while rank 0 writes a checkpoint)"""
     out: str = "runs/remix"
     """output folder: metrics.jsonl, TensorBoard events, checkpoints, evaluations, completions"""
     overwrite: bool = False
     """replace the logs and checkpoints of an earlier run in --out"""
     save_every: int = 50
-    """>= 0: save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
+    """in [0, 1000000]: save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
     keep_last: int = 3
-    """>= 0: keep the newest this many checkpoints, the newest full and the others model folders (0: all)"""
+    """in [0, 1000000]: keep the newest this many checkpoints, the newest full and the others model folders (0: all)"""
     resume: str | None = None
     """continue the run in this folder from its newest checkpoint, with the run's saved arguments"""
     track: bool = False
     """log to Weights & Biases as well"""
     eval_every: int = 25
-    """>= 0: greedy Pass@1 on --eval-benchmarks before step 1, every this many steps and at the end; 0 never"""
+    """in [0, 1000000]: greedy Pass@1 on --eval-benchmarks at step 0, every this many steps and at the end; 0 never"""
     eval_benchmarks: tuple[str, ...] = ("all",)
     """benchmarks evaluated during training: aime24 amc23 amc83 math500 minerva olympiadbench, or all (the five)"""
     eval_limit: int | None = None
-    """>= 1: evaluate only the first this many problems of each benchmark"""
+    """in [1, 1000000]: evaluate only the first this many problems of each benchmark"""
     eval_max_tokens: int | None = None
-    """>= 1: generation budget of an evaluation response (default: --max-response-tokens)"""
+    """in [1, 1048576]: generation budget of an evaluation response (default: --max-response-tokens)"""
     eval_data_dir: str | None = None
     """folder of the benchmark files (default: the repository's data/benchmarks)"""
     log_completions: int = 4
-    """>= 0: responses of each step written to OUT/completions.jsonl (and wandb/TensorBoard); 0 none"""
+    """in [0, 1048576]: responses of each step written to OUT/completions.jsonl (and wandb/TensorBoard); 0 none"""
 
 
 def finalize_args(args: Args) -> Args:

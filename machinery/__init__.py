@@ -7,9 +7,9 @@ call (`dist.all_reduce(...)`, `engines.push_weights(...)`), and nothing here cha
     grader       worker processes with a hard deadline per task (math-verify can hang inside C code)
     data         training problems from files or the hub, checked row by row; the prompt stream
     run          a program's entry and the Session that ties the modules below to train()
-    flags        each numeric flag's range, read from its docstring; impossible combinations; model path and hub
+    flags        each numeric flag's range (both bounds) from its docstring; impossible combinations; model path, hub
     plan         before step 1: the disk and memory a run will take, from the model's config; one line if it cannot fit
-    runfolder    where a run may write, its lock, refusing to clobber a run, files rewritten whole
+    runfolder    where a run may write, its lock, refusing to clobber a run; every write, never through a link
     logs         metrics.jsonl, completions.jsonl, TensorBoard and wandb, trimmed on resume
     metrics      the step's record, combined over the ranks from what the method hands over
     guard        a non-finite loss or gradient skips the update; three in a row stop the run

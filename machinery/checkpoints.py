@@ -26,14 +26,12 @@ import glob
 import os
 import random
 import re
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 import torch
 
-from machinery import dist, safeload, statecheck
+from machinery import dist, runfolder, safeload, statecheck
 from machinery.messages import fail, say
 
 FORMAT = 2  # 1: optimizers in torch.distributed.checkpoint's format, trainer state pickled (no longer read)
@@ -101,6 +99,7 @@ def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
+    runfolder.writes_into(out)
     if dist.rank() == 0:
         clear_leftovers(out)
     dist.barrier()
@@ -112,21 +111,23 @@ def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if dist.rank() == 0:
                 folder = tmp if name == "policy" else os.path.join(tmp, name)
+                runfolder.makedirs(folder)  # new (leftovers were cleared): nothing in it is a link
                 model.save_pretrained(folder, state_dict=full)
                 if name == "policy":
                     tokenizer.save_pretrained(folder)
             del full  # before the next model's is gathered: one whole fp32 model on the host at a time
-        os.makedirs(os.path.join(tmp, "optim"), exist_ok=True)
-        torch.save({name: optimizer_shard(models[name], optim) for name, optim in optimizers.items()
-                    if optim is not None}, optim_file(tmp, dist.rank()))
-        torch.save({**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT},
-                   state_file(tmp, dist.rank()))
+        runfolder.makedirs(os.path.join(tmp, "optim"))
+        with runfolder.open_file(optim_file(tmp, dist.rank()), "wb") as f:
+            torch.save({name: optimizer_shard(models[name], optim) for name, optim in optimizers.items()
+                        if optim is not None}, f)
+        with runfolder.open_file(state_file(tmp, dist.rank()), "wb") as f:
+            torch.save({**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT}, f)
     except Exception as caught:  # OSError, safetensors' SafetensorError, torch's RuntimeError: the same line
         error = f"{getattr(caught, 'strerror', None) or str(caught).splitlines()[0] or type(caught).__name__}"
     errors = [e for e in dist.all_gather(error) if e]
     if errors:
         if dist.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _delete(tmp)
         fail(f"cannot write checkpoint {final}: {errors[0]}; the previous checkpoints are intact")
     dist.barrier()
     if dist.rank() == 0:
@@ -134,7 +135,7 @@ def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer
             say(f"{final} was a symbolic link: replaced by this run's checkpoint (what it pointed to is untouched)")
         if os.path.lexists(final):  # this step saved before (a resume from an earlier checkpoint): the new one wins
             remove(final)
-        os.replace(tmp, final)
+        runfolder.replace(tmp, final)
         prune(out, step, keep_last)
     dist.barrier()
     return final
@@ -216,19 +217,16 @@ def remove(path: str):
     middle of the delete leaves a .trash- folder, which the next save or resume deletes (clear_leftovers), never a
     checkpoint-STEP that has lost its trainer state and that nothing would prune again. A link is just unlinked."""
     if os.path.islink(path):
-        os.remove(path)
+        runfolder.remove(path)
         return
-    trash = tempfile.mkdtemp(prefix=".trash-", dir=os.path.dirname(path))
-    os.replace(path, trash)  # onto the empty folder mkdtemp made
+    trash = runfolder.fresh_folder(os.path.dirname(path), ".trash-")
+    runfolder.replace(path, trash)  # onto the empty folder just made
     _delete(trash)
 
 
 def _delete(path: str):
     try:
-        if os.path.islink(path) or os.path.isfile(path):
-            os.remove(path)
-        elif os.path.isdir(path):
-            shutil.rmtree(path)
+        runfolder.remove(path, missing_ok=True)
     except OSError as error:  # the run goes on; the next save or resume tries again
         say(f"cannot delete {path} ({error.strerror}); delete it by hand", stream=sys.stderr)
 

@@ -40,11 +40,28 @@ def problem_text(value, where: str = "the problem") -> str:
     raise ValueError(f"{where} is {value!r:.60}: a problem must be a non-empty string")
 
 
+LOCAL_FORMS = (".jsonl", ".json", ".parquet")  # the files read here; any other name is a hub id
+# names no hub id has: a file of a form not read here, never sent to the hub (or the datasets library, which reads a
+# local folder of them and caches it under the home folder)
+OTHER_FILES = {".csv", ".tsv", ".txt", ".arrow", ".xlsx", ".xls", ".gz", ".zip", ".jsonl.gz", ".yaml", ".yml"}
+
+
+def check_dataset(path: str, prog: str = "remix"):
+    """--dataset is a local .jsonl/.json/.parquet file or a hub id: a local folder, a file of another form (.csv)
+    and a name no hub id has get one line naming the accepted forms, before the hub is asked anything."""
+    if not path.endswith(LOCAL_FORMS) and (os.path.lexists(path) or not flags.is_hub_id(path)
+                                           or os.path.splitext(path)[1].lower() in OTHER_FILES):
+        what = "a folder" if os.path.isdir(path) else "a file of another form" if os.path.lexists(path) else \
+            "neither a local file nor a hub id"
+        fail(f"dataset {path!r} is {what}: pass a local .jsonl, .json or .parquet file, or a hub id (org/name)", prog)
+
+
 def load_problems(path: str, problem_key: str, answer_key: str, prog: str = "remix") -> list[tuple[str, str]]:
     """(problem, answer) pairs from a hub dataset or a local .jsonl/.json/.parquet file. A row whose problem or
     answer is missing, empty or of another type is skipped, and the count said in one line; a file with no usable
     row, or whose rows lack the columns, stops with one line."""
-    rows = read_rows(path, prog) if path.endswith((".jsonl", ".json", ".parquet")) else load_hub_rows(path, prog=prog)
+    check_dataset(path, prog)
+    rows = read_rows(path, prog) if path.endswith(LOCAL_FORMS) else load_hub_rows(path, prog=prog)
     if not rows:
         fail(f"dataset {path!r} holds no rows", prog)
     columns = sorted(rows[0])
@@ -241,24 +258,41 @@ def template_guard(encode, model: str, prog: str = "remix"):
     return guarded
 
 
-def first_fitting_prompt(problems: list[tuple[str, str]], encode, max_prompt_tokens: int) -> int:
+def char_bound(tokenizer, tokens: int) -> int:
+    """The most characters a text of `tokens` tokens can hold: tokens times the longest entry of the tokenizer's
+    vocabulary, added tokens included. Each token stands for at most that many characters (a byte-level entry has
+    one character per byte, and every character is at least one byte; a byte-fallback entry such as <0x41> is
+    longer than the byte it stands for), so no text longer than this tokenizes into `tokens` tokens or fewer, and a
+    problem past it is skipped by its length alone, never rendered or tokenized (a 50 MB problem took minutes and
+    10 GB to tokenize). Only a normalizer that deletes characters could shrink a text below it."""
+    return tokens * max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def first_fitting_prompt(problems: list[tuple[str, str]], encode, max_prompt_tokens: int, max_chars=None) -> int:
     """The index of the first problem whose prompt fits max_prompt_tokens; stops the run with one line (before
-    anything is written) when none does."""
+    anything is written) when none does. A problem over max_chars characters (char_bound) cannot fit."""
+    fits = [p for p, _ in problems if max_chars is None or len(p) <= max_chars]
     for index, (problem, _) in enumerate(problems):
-        if len(encode(problem)) <= max_prompt_tokens:
+        if (max_chars is None or len(problem) <= max_chars) and len(encode(problem)) <= max_prompt_tokens:
             return index
+    shortest = f"has {min(len(encode(p)) for p in fits[:2000])} tokens" if fits else \
+        f"has over {max_chars} characters, more than that many tokens can hold"
     fail(f"every prompt is longer than --max-prompt-tokens {max_prompt_tokens} (the shortest problem's prompt "
-         f"has {min(len(encode(p)) for p, _ in problems[:2000])} tokens): raise --max-prompt-tokens")
+         f"{shortest}): raise --max-prompt-tokens")
 
 
-def prompt_stream(problems: list[tuple[str, str]], encode, max_prompt_tokens: int, seed: int, position: int = 0):
+def prompt_stream(problems: list[tuple[str, str]], encode, max_prompt_tokens: int, seed: int, position: int = 0,
+                  max_chars=None):
     """Prompt(ids, answer, position) from shuffled passes over the data, forever, starting at a position
-    (problems consumed so far, kept for --resume). Prompts longer than the limit are skipped."""
+    (problems consumed so far, kept for --resume). Prompts longer than the limit are skipped (Decision 9), and a
+    problem over max_chars characters (char_bound) without being tokenized."""
     while True:
         epoch, offset = divmod(position, len(problems))
         order = np.random.RandomState(seed + epoch).permutation(len(problems))  # the same order on resume
         for index in order[offset:]:
             position += 1
+            if max_chars is not None and len(problems[index][0]) > max_chars:
+                continue
             ids = encode(problems[index][0])
             if len(ids) <= max_prompt_tokens:
                 yield Prompt(ids, problems[index][1], position)

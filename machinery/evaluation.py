@@ -44,6 +44,8 @@ def resolve(names, prog: str = "remix") -> list[str]:
                 chosen.append(part)
             else:
                 fail(f"unknown benchmark {part!r}; valid names: {', '.join(BENCHMARKS)}, all", prog)
+    if not chosen:  # an evaluation of nothing would report 0 samples as if it had run
+        fail(f"no benchmark named; valid names: {', '.join(BENCHMARKS)}, all", prog)
     return list(dict.fromkeys(chosen))
 
 
@@ -87,7 +89,22 @@ def load_benchmark(name: str, data_dir: str | None, limit: int | None, hub: bool
                              "answers": gold_answers(row, f"{where}: row {i + 1}")})
         except ValueError as error:
             fail(str(error), prog)
+    if not problems:  # a table without rows, and during training a KeyError after --out was written
+        fail(f"benchmark {name} ({where}) holds no problems; give it problem rows, or leave {name} out", prog)
     return problems
+
+
+def fitting(problems: list[dict], max_chars: int, prog: str = "remix") -> list[dict]:
+    """The problems of a benchmark short enough to fit the model's context (max_chars, data.char_bound); the rest are
+    skipped by their length, never rendered or tokenized, and counted in one line (Decision 9, as in training)."""
+    kept = [p for p in problems if len(p["problem"]) <= max_chars]
+    if len(kept) < len(problems):
+        skipped = next(p for p in problems if len(p["problem"]) > max_chars)
+        say(f"{skipped['benchmark']}: skipped {len(problems) - len(kept)} problem(s) longer than the model's context "
+            f"can hold (over {max_chars} characters; the first: id {skipped['id']})", prog)
+    if not kept:
+        fail(f"benchmark {skipped['benchmark']}: every problem is longer than the model's context can hold", prog)
+    return kept
 
 
 def load_benchmarks(names, data_dir: str | None, limit: int | None, hub: bool = False, prog: str = "remix"):
@@ -246,7 +263,7 @@ def during_training(session, step: int) -> dict:
     if dist.rank() == 0:
         samples = records(problems, generated, "greedy", 0, args.seed)
         grade(method, samples, args.grader_workers, args.grade_timeout)
-        os.makedirs(os.path.join(args.out, "eval"), exist_ok=True)
+        runfolder.makedirs(os.path.join(args.out, "eval"))
         write_jsonl(os.path.join(args.out, "eval", f"step-{step}.jsonl"), samples)
         table = summarize(samples, method.reflection_words)["greedy"]
         for name, entry in table.items():
@@ -266,7 +283,7 @@ def write_jsonl(path: str, rows: list[dict], mode: str = "w"):
     """rows as a new file (written aside and renamed over path: never half a file), or appended (mode "a")."""
     if mode == "w":
         return runfolder.replace_file(path, [json.dumps(r) + "\n" for r in rows])
-    with open(path, mode) as f:
+    with runfolder.open_file(path, mode) as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
         f.flush()
         os.fsync(f.fileno())

@@ -36,7 +36,8 @@ BOUND = re.compile(r"(>=|>) -?[0-9][0-9.e+-]*|in [\[(]-?[0-9][0-9.e+-]*, -?[0-9]
 def ranges(cls) -> dict[str, str]:
     """Each numeric field of a flags dataclass with its range, the first BOUND its docstring states ('p, in [0, 1):
     ...' -> 'in [0, 1)'): the range is declared beside the field, and --help shows it. A numeric field whose docstring
-    states none is refused with one line, so a new flag cannot go unchecked."""
+    states none, or only a lower bound ('>= 1'), is refused with one line, so a new flag cannot go unchecked or
+    unbounded (1e300 seconds overflow a select, 1e20 a deque's length)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body, hints, found = tree.body[0].body, typing.get_type_hints(cls), {}
     for field, doc in zip(body, body[1:]):
@@ -48,9 +49,10 @@ def ranges(cls) -> dict[str, str]:
             continue
         text = doc.value.value if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else ""
         match = BOUND.search(text if isinstance(text, str) else "")
-        if match is None:
+        if match is None or not match.group().startswith("in "):  # a number without a ceiling overflows somewhere
             fail(f"the flag --{name.replace('_', '-')} of {cls.__name__} ({inspect.getsourcefile(cls)}) states no "
-                 f"range: begin its docstring with one ('>= 1', '> 0', 'in [0, 1)')")
+                 f"{'upper bound' if match else 'range'}: begin its docstring with a range of both bounds "
+                 f"('in [1, 1024]', 'in (0, 1e6]', 'in [0, 1)')")
         found[name] = match.group()
     return found
 

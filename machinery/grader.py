@@ -125,7 +125,8 @@ IMPORT_SECONDS = 300.0  # a worker's first import of a task's module (sympy, mat
 
 def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout, warm=None, warm_args=()):
     """[fn(*item) for item in items] in worker processes. A task still running `timeout` seconds after its
-    turn came gets `on_timeout`, and its worker is killed and replaced. warm(*warm_args) runs in each new worker
+    turn came gets `on_timeout`, and its worker is killed and replaced; so does a task whose worker dies under it
+    (SIGKILL, the OOM killer). warm(*warm_args) runs in each new worker
     before it takes a task, so slow first imports never count against a deadline. The workers are kept between
     calls, whatever their fn; fn and warm are module-level functions (one module of a name per process)."""
     if workers < 1 or timeout <= 0:
@@ -136,10 +137,15 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
     results, todo, done = [None] * len(items), list(range(len(items))), 0
     while done < len(items):
         now = time.monotonic()
-        for worker in _pool:
+        for i, worker in enumerate(_pool):
             if worker.ready and worker.task is None and todo:
                 worker.task, worker.started = todo.pop(0), now
-                _send(worker.write, (*task, items[worker.task]))
+                try:
+                    _send(worker.write, (*task, items[worker.task]))
+                except OSError:  # it died between two tasks (killed): the task goes to its replacement
+                    todo.insert(0, worker.task)
+                    worker.kill()
+                    _pool[i] = _Worker(fn, warm, warm_args)
         deadlines = [w.started + timeout - now for w in _pool if w.task is not None]
         readable, _, _ = select.select([w.read for w in _pool], [], [], max(min(deadlines, default=1.0), 0.0))
         for i, worker in enumerate(_pool):
@@ -147,8 +153,15 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
                 try:
                     message = _recv(worker.read)
                 except EOFError:
-                    close_pool()
-                    raise RuntimeError(f"a worker process for {fn.__name__} exited (see its error above)") from None
+                    if not worker.ready:  # it never started (an import that fails): a replacement would too
+                        close_pool()
+                        raise RuntimeError(f"a worker process for {fn.__name__} exited (see its error above)") from None
+                    # killed mid-task (SIGKILL, the OOM killer): its answer fails as a timed-out one does
+                    if worker.task is not None:
+                        results[worker.task], done = on_timeout, done + 1
+                    worker.kill()
+                    _pool[i] = _Worker(fn, warm, warm_args)
+                    continue
                 if message in ("ready", "imported"):  # imports never count against a deadline
                     worker.ready, worker.started = True, time.monotonic()
                     continue

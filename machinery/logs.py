@@ -6,15 +6,18 @@ import json
 import os
 import threading
 
-from machinery import dist, signals
+from machinery import dist, runfolder, signals
 from machinery.runfolder import replace_file
 from machinery.messages import fail, say
 
 
 def check_logs(out: str):
-    """A resumed run's logs are files it can read and rewrite: a FIFO in their place would block it for good."""
+    """A resumed run's logs are files it can read and rewrite: a FIFO in their place would block it for good, and a
+    link would be read as the run's own (its target is never written: the rewrite replaces the link)."""
     for name in ("metrics.jsonl", "completions.jsonl"):
         path = os.path.join(out, name)
+        if os.path.islink(path):
+            fail(str(runfolder.Linked(path)))
         if os.path.lexists(path) and not os.path.isfile(path):
             fail(f"--resume {out}: {path} is not a regular file (a FIFO, socket, device or broken link); remove it")
 
@@ -55,16 +58,18 @@ class RunLog:
         self.active, self.out, self.failed = dist.rank() == 0, out, False
         if not self.active:
             return
+        runfolder.writes_into(out)
         self.files = {}
         for name in ("metrics", "completions"):
             path = os.path.join(out, f"{name}.jsonl")
             with self.writing(path):
                 replace_file(path, read_jsonl_upto(path, done) if done else [])
-                self.files[name] = open(path, "a")
+                self.files[name] = runfolder.open_file(path, "a")
         from torch.utils.tensorboard import SummaryWriter
 
         threading.excepthook = _quiet_writer_thread
         with self.writing(os.path.join(out, "tb")):
+            runfolder.check_tree(os.path.join(out, "tb"))  # TensorBoard opens its files by name: no link in there
             self.writer = SummaryWriter(os.path.join(out, "tb"), purge_step=done + 1 if done else None)
             self.writer.add_text("args", json.dumps(config, indent=1))
         self.wandb = None
@@ -72,6 +77,8 @@ class RunLog:
             import wandb
 
             self.wandb = wandb
+            with self.writing(os.path.join(out, "wandb")):  # wandb replaces its own latest-run link
+                runfolder.check_tree(os.path.join(out, "wandb"), allowed=("latest-run",))
             wandb.init(project=os.environ.get("WANDB_PROJECT", "remix"), config=config, dir=out)
 
     @contextlib.contextmanager
@@ -83,6 +90,8 @@ class RunLog:
             if self.failed:  # closing the logs after the failure already reported
                 return
             self.failed = True
+            if isinstance(error, runfolder.Linked):
+                fail(str(error))
             fail(f"cannot write {what}: {error.strerror or error}; {signals.resume_line(self.out)}")
 
     def write(self, record: dict):

@@ -32,6 +32,9 @@ def main(program, prog: str = "remix"):
 
     try:
         result = program()
+    except runfolder.Linked as linked:  # a link where the program writes (inside --out): refused, never followed
+        grader.close_pool()
+        fail(str(linked), prog)
     except BaseException as interrupt:  # what breaks after a signal (code that wraps it in its own error) is the signal
         if not signals.from_signal(interrupt):
             raise
@@ -103,6 +106,7 @@ class Session:
                 safeload.check_model_folder(args.model)
             except ValueError as error:
                 fail(f"cannot load model {args.model!r}: {error}")
+        data.check_dataset(args.dataset)  # a folder or a .csv is no hub id
         flags.check_hub({f"--{k}": getattr(args, k) for k in ("model", "dataset") if flags.is_hub_id(getattr(args, k))
                    and not getattr(args, k).endswith((".jsonl", ".json", ".parquet"))})
         self.problems = data.load_problems(args.dataset, args.problem_key, args.answer_key)
@@ -112,7 +116,8 @@ class Session:
             self.tokenizer, problem, args.prompt_suffix, args.system_prompt), self.checkpoint or args.model)
         if not self.tokenizer.chat_template:
             say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text")
-        data.first_fitting_prompt(self.problems, self.encode, args.max_prompt_tokens)
+        self.max_chars = data.char_bound(self.tokenizer, args.max_prompt_tokens)  # longer problems cannot fit
+        data.first_fitting_prompt(self.problems, self.encode, args.max_prompt_tokens, self.max_chars)
         self.benchmarks = evaluation.load_benchmarks(args.eval_benchmarks, args.eval_data_dir, args.eval_limit) \
             if args.eval_every else []
         longest = max((len(self.encode(p["problem"])) for p in self.benchmarks), default=0)
@@ -160,11 +165,12 @@ class Session:
             say(f"resuming {args.out} after step {self.progress['step']} from {self.checkpoint}")
         self.log = logs.RunLog(args.out, dataclasses.asdict(args), self.progress["step"], args.track)
         self.prompts = data.prompt_stream(self.problems, self.encode, args.max_prompt_tokens, args.seed,
-                                          self.progress["data_position"])
+                                          self.progress["data_position"], self.max_chars)
         self.step, self.laps, self.clock = self.progress["step"], {}, time.perf_counter()
         self.first_step_at, self.steps_here = None, 0  # the time left is measured over this process's steps
 
     def __enter__(self):
+        signals.running(lambda: (self.step, self.args.out))
         return self
 
     def __exit__(self, kind, error, trace):

@@ -1,12 +1,19 @@
-"""The run folder: where it may be, its lock, refusing to clobber a run, and files rewritten whole (aside, then
-renamed). A reader of the method may skip this module."""
+"""The run folder: where it may be, its lock, refusing to clobber a run, and the only way anything is written there.
+Every file and folder remix.py, eval.py and machinery create, append to, replace, rename, delete or lock goes through
+the primitives at the end (makedirs, open_file, replace, remove, fresh_folder, replace_file), which walk from --out
+down one component at a time with O_NOFOLLOW: a symbolic link inside --out, on the file or on any folder between,
+is never followed (Linked, one line). --out itself, and the folders above it, are the user's to name. A reader of
+the method may skip this module."""
 
 import contextlib
+import errno
 import fcntl
 import glob
 import os
+import secrets
 import shutil
 import socket
+import stat
 
 from machinery import dist
 from machinery.messages import fail
@@ -55,12 +62,13 @@ def lock(out: str, prog: str = "remix"):
     on the folder itself, which cannot be deleted from under a live job as OUT/.remix.lock can; that file names
     the holder and is locked too (on a file system without folder locks, such as NFS, it is the lock)."""
     error = None
+    writes_into(out)
     held = os.path.isdir(out) and any(os.path.isdir(os.path.dirname(h.name))  # a folder removed since: not held
                                       and os.path.samefile(os.path.dirname(h.name), out) for h, _ in _locks)
     if dist.rank() == 0 and not held:
         folder = handle = None
         try:
-            os.makedirs(out, exist_ok=True)
+            makedirs(out)
             folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -69,7 +77,7 @@ def lock(out: str, prog: str = "remix"):
             except OSError:  # no folder locks on this file system: the file's lock alone
                 os.close(folder)
                 folder = None
-            handle = open(os.path.join(out, LOCK), "a+")
+            handle = open_file(os.path.join(out, LOCK), "a+")
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             handle.seek(0)
             handle.truncate()
@@ -78,6 +86,8 @@ def lock(out: str, prog: str = "remix"):
             _locks.append((handle, folder))
         except BlockingIOError:
             error = f"--out {out} is in use by a running job ({holder(out)}); wait for it to end, or choose another --out"
+        except Linked as caught:
+            error = f"--out {out}: {caught}"
         except OSError as caught:
             error = f"cannot create --out {out}: {caught.strerror}"
         if error and handle is not None:
@@ -120,25 +130,164 @@ def prepare_out(out: str, overwrite: bool):
     dist.barrier()
     if dist.rank() == 0:
         for path in found:  # a link is removed, never what it points to
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+            remove(path)
     dist.barrier()
+
+# ----------------------------------------------------------------------------------------------
+# The write primitives: nothing is written through a symbolic link inside --out
+# ----------------------------------------------------------------------------------------------
+_roots: list[str] = []  # the folders (each --out) this process writes into
+
+
+def writes_into(out: str):
+    """out is a folder this process writes into: the primitives below accept paths inside it (and no others)."""
+    path = os.path.abspath(out)
+    if path not in _roots:
+        _roots.append(path)
+
+
+class Linked(OSError):
+    """A symbolic link found where a program writes (the file, or a folder between --out and it): never followed."""
+
+    def __init__(self, path: str):
+        super().__init__(errno.ELOOP, f"{path} is a symbolic link, and nothing is written through one: remove it "
+                                      f"(what it points to is untouched)")
+
+    def __str__(self):
+        return self.strerror
+
+
+def _split(path: str) -> tuple[str, list[str]]:
+    """(the --out that holds path, path's components below it)."""
+    path = os.path.abspath(path)
+    roots = [r for r in _roots if path == r or path.startswith(r.rstrip(os.sep) + os.sep)]
+    if not roots:
+        raise ValueError(f"{path} is outside every --out this process writes into (runfolder.writes_into)")
+    root = max(roots, key=len)
+    return root, ([] if path == root else os.path.relpath(path, root).split(os.sep))
+
+
+def _folder(path: str, create: bool) -> int:
+    """A descriptor of folder path, reached from its --out one component at a time, none a link (Linked);
+    missing folders are made when create."""
+    root, parts = _split(path)
+    if create:
+        os.makedirs(root, exist_ok=True)  # --out itself: named by the user
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    for depth, part in enumerate(parts):
+        try:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        except OSError as error:
+            linked = error.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(part, fd)
+            os.close(fd)
+            if linked:
+                raise Linked(os.path.join(root, *parts[:depth + 1])) from None
+            raise
+        os.close(fd)
+        fd = inner
+    return fd
+
+
+def _is_link(name: str, fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _parent(path: str):
+    """(descriptor of path's folder, path's name), the folder reached without following a link."""
+    folder, name = os.path.split(os.path.abspath(path))
+    fd = _folder(folder, create=False)
+    try:
+        yield fd, name
+    finally:
+        os.close(fd)
+
+
+def makedirs(path: str):
+    """os.makedirs(path, exist_ok=True), refusing a link on the way (Linked)."""
+    os.close(_folder(path, create=True))
+
+
+MODES = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+         "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}
+
+
+def open_file(path: str, mode: str = "w", **kwargs):
+    """open(path, mode) for writing ('w', 'a', 'a+', 'x', with 'b' for bytes), never through a link: with 'w' a link
+    at path is replaced by the new file (as a rename would), with the others it is refused (Linked)."""
+    with _parent(path) as (fd, name):
+        if mode.startswith("w") and _is_link(name, fd):
+            os.unlink(name, dir_fd=fd)
+        try:
+            handle = os.open(name, MODES[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=fd)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise Linked(os.path.abspath(path)) from None
+            raise
+    opened = os.fdopen(handle, mode, **kwargs)
+    (opened.buffer.raw if hasattr(opened, "buffer") else opened.raw).name = path  # as open(path) names it
+    return opened
+
+
+def replace(source: str, target: str):
+    """os.replace(source, target) within --out: a link at target is replaced (its target untouched), a link on
+    the way to either is refused."""
+    with _parent(source) as (source_fd, source_name), _parent(target) as (target_fd, target_name):
+        os.replace(source_name, target_name, src_dir_fd=source_fd, dst_dir_fd=target_fd)
+
+
+def remove(path: str, missing_ok: bool = False):
+    """Delete a file, a link (never what it points to) or a whole folder (links inside are unlinked only)."""
+    with _parent(path) as (fd, name):
+        try:
+            is_folder = stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+            shutil.rmtree(name, dir_fd=fd) if is_folder else os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+
+def fresh_folder(parent: str, prefix: str) -> str:
+    """A new empty folder parent/PREFIXrandom, as tempfile.mkdtemp makes, never through a link."""
+    with _parent(os.path.join(parent, "x")) as (fd, _):
+        while True:
+            name = f"{prefix}{secrets.token_hex(4)}"
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o700, dir_fd=fd)
+                return os.path.join(parent, name)
+
+
+def check_tree(folder: str, allowed: tuple = ()):
+    """A folder that a library writes into by name (TensorBoard's tb, wandb's): made, and refused (Linked) if it or
+    anything inside it is a link (but the allowed names, links the library makes itself), before the library opens
+    it."""
+    makedirs(folder)
+    for inside, folders, files in os.walk(folder):
+        for name in folders + files:
+            if os.path.islink(os.path.join(inside, name)) and name not in allowed:
+                raise Linked(os.path.join(inside, name))
+
 
 def replace_file(path: str, lines: list[str]):
     """path's new content, written aside in its folder, synced and renamed over it: a crash or a signal at any
-    instant leaves the old file or the new one whole (a log rewritten in place lost its rows to a SIGTERM)."""
+    instant leaves the old file or the new one whole (a log rewritten in place lost its rows to a SIGTERM). A link
+    at path is replaced, never followed; the aside file is new (O_EXCL), so a link planted there is refused."""
     folder, name = os.path.split(os.path.abspath(path))
     aside = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    remove(aside, missing_ok=True)  # a leftover (or a link) of an earlier process with this pid
     try:
-        with open(aside, "w") as f:
+        with open_file(aside, "x") as f:
             f.writelines(lines)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(aside, path)
+        replace(aside, path)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(aside)
-    descriptor = os.open(folder, os.O_RDONLY)  # the rename itself reaches the disk
-    try:
+        remove(aside, missing_ok=True)
+    with _parent(path) as (descriptor, _):  # the rename itself reaches the disk
         os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

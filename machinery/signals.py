@@ -8,7 +8,7 @@ import sys
 from machinery import runfolder, startup
 
 
-_interrupt = {"seen": None}
+_interrupt = {"seen": None, "running": None}  # running: () -> (step, out) once a run's steps have begun
 
 
 def catch_interrupts():
@@ -70,8 +70,17 @@ def resume_line(out: str) -> str:
         "the last checkpoint is none yet; nothing to resume"
 
 
+def running(where):
+    """A run's steps have begun: where() gives its (step, --out), for the line of a signal that lands while the
+    run unwinds another (a second Ctrl-C while the first one's logs close), which has no line of its own."""
+    _interrupt["running"] = where
+
+
 def starting_line(signum) -> str:
-    """A signal before a run's first step (a resumed run loading, starting its engine, trimming its logs): the
-    folder it locked still holds its checkpoints."""
+    """The line of a signal that carries none: before a run's first step (a resumed run loading, starting its
+    engine, trimming its logs) the folder it locked still holds its checkpoints; after, the run's own line."""
+    if _interrupt["running"] is not None:
+        step, out = _interrupt["running"]()
+        return f"{startup.NAMES[signum]} at step {step}; {resume_line(out)}"
     folders = [os.path.dirname(handle.name) for handle, _ in runfolder.held()]
     return f"{startup.NAMES[signum]} while starting; " + (resume_line(folders[0]) if folders else "nothing to resume")

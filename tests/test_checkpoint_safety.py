@@ -66,10 +66,13 @@ def test_a_kill_while_pruning_leaves_nothing_that_the_next_save_does_not_delete(
     save(out, 1, keep_last=1)
     real_rmtree = shutil.rmtree
 
-    def killed_midway(path, *args, **kwargs):
-        if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
-            return real_rmtree(path, *args, **kwargs)
-        os.remove(os.path.join(path, "trainer_state.pt"))  # the first file the delete reached
+    def killed_midway(path, *args, dir_fd=None, **kwargs):  # runfolder.remove passes a name within dir_fd
+        state = os.path.join(path, "trainer_state.pt")
+        try:
+            os.stat(state, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return real_rmtree(path, *args, dir_fd=dir_fd, **kwargs)
+        os.remove(state, dir_fd=dir_fd)  # the first file the delete reached
         raise KeyboardInterrupt  # the process dies here
 
     monkeypatch.setattr(shutil, "rmtree", killed_midway)

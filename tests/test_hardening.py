@@ -43,19 +43,23 @@ def field_docstrings(path: Path, cls: str) -> dict:
 
 # the ranges the docstrings state, written out again here as the reference
 REMIX_RANGES = {
-    "steps": ">= 1", "prompts_per_step": ">= 1", "group_size": ">= 1", "off_policy_p": "in [0, 1)", "window": ">= 1",
-    "utd": ">= 1", "reincarnate_step": ">= 0", "kl_convex_start": ">= 0", "kl_convex_every": ">= 1",
-    "kl_beta": ">= 0", "ent_coef": ">= 0", "clip_eps": "in (0, 1)", "value_clip": "> 0", "vtrace_c_bar": "> 0",
-    "gamma": "in (0, 1]", "gae_lambda": "in [0, 1]", "actor_lr": "> 0", "critic_lr": "> 0", "weight_decay": ">= 0",
-    "max_grad_norm": "> 0", "mini_batch_prompts": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]",
-    "max_prompt_tokens": ">= 1", "max_response_tokens": ">= 1", "sampler_is_cap": "> 0",
-    "max_tokens_per_micro_batch": ">= 1", "vllm_gpu_memory_utilization": "in (0, 1)", "vllm_tp": ">= 1",
-    "grader_workers": ">= 1", "grade_timeout": "> 0", "seed": "in [0, 2147483647]", "dist_timeout": "> 0",
-    "save_every": ">= 0", "keep_last": ">= 0", "eval_every": ">= 0", "eval_limit": ">= 1", "eval_max_tokens": ">= 1",
-    "log_completions": ">= 0"}
-EVAL_RANGES = {"n": ">= 1", "temperature": ">= 0", "top_p": "in (0, 1]", "max_tokens": ">= 1", "vllm_tp": ">= 1",
-               "vllm_gpu_memory_utilization": "in (0, 1)", "limit": ">= 1", "workers": ">= 1", "grade_timeout": "> 0",
-               "seed": "in [0, 2147483647]", "batch_size": ">= 1"}
+    "steps": "in [1, 1000000]", "prompts_per_step": "in [1, 65536]", "group_size": "in [1, 1024]",
+    "off_policy_p": "in [0, 1)", "window": "in [1, 1000]", "utd": "in [1, 1000]", "reincarnate_step": "in [0, 1000000]",
+    "kl_convex_start": "in [0, 1000000]", "kl_convex_every": "in [1, 1000000]", "kl_beta": "in [0, 1e6]",
+    "ent_coef": "in [0, 1e6]", "clip_eps": "in (0, 1)", "value_clip": "in (0, 1e6]", "vtrace_c_bar": "in (0, 1e6]",
+    "gamma": "in (0, 1]", "gae_lambda": "in [0, 1]", "actor_lr": "in (0, 1]", "critic_lr": "in (0, 1]",
+    "weight_decay": "in [0, 1e6]", "max_grad_norm": "in (0, 1e6]", "mini_batch_prompts": "in [1, 65536]",
+    "temperature": "in (0, 100]", "top_p": "in (0, 1]", "max_prompt_tokens": "in [1, 1048576]",
+    "max_response_tokens": "in [1, 1048576]", "sampler_is_cap": "in (0, 1e6]",
+    "max_tokens_per_micro_batch": "in [1, 1073741824]", "vllm_gpu_memory_utilization": "in (0, 1)",
+    "vllm_tp": "in [1, 1024]", "grader_workers": "in [1, 1024]", "grade_timeout": "in (0, 1e6]",
+    "seed": "in [0, 2147483647]", "dist_timeout": "in (0, 1e6]", "save_every": "in [0, 1000000]",
+    "keep_last": "in [0, 1000000]", "eval_every": "in [0, 1000000]", "eval_limit": "in [1, 1000000]",
+    "eval_max_tokens": "in [1, 1048576]", "log_completions": "in [0, 1048576]"}
+EVAL_RANGES = {"n": "in [1, 1024]", "temperature": "in [0, 100]", "top_p": "in (0, 1]", "max_tokens": "in [1, 1048576]",
+               "vllm_tp": "in [1, 1024]", "vllm_gpu_memory_utilization": "in (0, 1)", "limit": "in [1, 1000000]",
+               "workers": "in [1, 1024]", "grade_timeout": "in (0, 1e6]", "seed": "in [0, 2147483647]",
+               "batch_size": "in [1, 65536]"}
 
 
 @pytest.mark.parametrize("program, cls, reference", [("remix.py", "Args", REMIX_RANGES),
@@ -80,16 +84,19 @@ def test_every_numeric_flag_has_the_range_its_help_states(program, cls, referenc
 def test_a_numeric_flag_without_a_range_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "forked_flags.py").write_text(
         "from dataclasses import dataclass\n\n\n@dataclass\nclass Args:\n    steps: int = 3\n"
-        '    """>= 1: steps"""\n    clip_eps_high: float = 0.28\n    """the upper clip (DAPO)"""\n'
-        '    name: str = "x"\n    """no range: not a number"""\n')
+        '    """in [1, 100]: steps"""\n    clip_eps_high: float = 0.28\n    """the upper clip (DAPO)"""\n'
+        '    name: str = "x"\n    """no range: not a number"""\n\n\n@dataclass\nclass Floor:\n'
+        '    window: int = 4\n    """>= 1: a lower bound only"""\n')
     monkeypatch.syspath_prepend(str(tmp_path))
     import forked_flags
 
-    with pytest.raises(SystemExit) as exit_info:
-        flags.ranges(forked_flags.Args)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1 and "--clip-eps-high of Args" in err[0] \
-        and "states no range" in err[0], err
+    for cls, flag, said in ((forked_flags.Args, "--clip-eps-high", "states no range"),
+                            (forked_flags.Floor, "--window", "states no upper bound")):
+        with pytest.raises(SystemExit) as exit_info:
+            flags.ranges(cls)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1 and f"{flag} of {cls.__name__}" in err[0] \
+            and said in err[0], err
     assert flags.within(0.0, "in [0, 1)") and not flags.within(1.0, "in [0, 1)") and flags.within(1.0, "in (0, 1]")
     assert not flags.within(0, "> 0") and flags.within(0, ">= 0") and not flags.within(float("nan"), ">= 0")
 
@@ -108,6 +115,19 @@ def test_each_bad_value_of_a_remix_flag_gets_one_line_and_writes_nothing(name, b
         assert exit_info.value.code == 2 and len(err) == 1, (name, value, err)
         assert err[0] == f"remix: error: --{name.replace('_', '-')} must be {bound}, got {value}"
         assert not out.exists()
+
+
+@pytest.mark.parametrize("flag, value", [("grade_timeout", 1e300), ("dist_timeout", 1e300),
+                                         ("window", 99999999999999999999), ("group_size", 100000000000000000000)])
+def test_the_numbers_past_any_sane_bound_that_overflowed_get_one_line(flag, value, tiny_model, train_file, tmp_path,
+                                                                      capsys):
+    """Issue 37's four: each overflowed in a select, a timedelta or a deque after --out was written."""
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(tiny_args(tiny_model, train_file, tmp_path / "out", **{flag: value}))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err == [f"remix: error: --{flag.replace('_', '-')} must be "
+                                                 f"{flags.ranges(remix.Args)[flag]}, got {value}"], err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("name, bound", list(flags.ranges(eval_cli.EvalArgs).items()))

@@ -385,11 +385,47 @@ def vanish(x):
 
 
 @pytest.mark.slow
-def test_a_failing_or_vanishing_worker_function_stops_with_its_error():
+def test_a_failing_worker_function_stops_with_its_error_and_a_vanishing_one_fails_its_item():
     with pytest.raises(RuntimeError, match="explode failed in a worker process: ValueError: bad item 1"):
         grader.map_with_deadline(explode, [(1,)], 1, 10.0, None)
-    with pytest.raises(RuntimeError, match="a worker process for vanish exited"):
-        grader.map_with_deadline(vanish, [(1,)], 1, 10.0, None)
+    # a worker gone mid-task is a killed one to the caller (the OOM killer's SIGKILL looks the same): the item fails
+    assert grader.map_with_deadline(vanish, [(1,)], 1, 10.0, "gone") == ["gone"]
+    assert grader.map_with_deadline(double, [(3,)], 1, 10.0, None) == [6]  # its replacement works
+    grader.close_pool()
+
+
+def test_a_worker_killed_mid_task_is_replaced_and_its_item_fails_as_a_timeout_does(tmp_path, monkeypatch):
+    """SIGKILL to the real worker process of a task that sleeps 60 s (issue 37: a BrokenPipeError ended the run):
+    that item gets the timeout's answer at once, the others their results, and the pool serves the next call."""
+    import threading
+
+    (tmp_path / "sleeper.py").write_text("import time\ndef nap(x):\n    time.sleep(x)\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sleeper
+
+    killed = []
+
+    def kill_the_long_task():
+        deadline = time.time() + 60
+        while time.time() < deadline and not killed:
+            for worker in list(grader._pool):
+                if worker.task == 0 and worker.ready:
+                    time.sleep(0.5)  # inside time.sleep(60) by now
+                    os.kill(worker.proc.pid, signal.SIGKILL)
+                    killed.append(worker.proc.pid)
+                    break
+            time.sleep(0.05)
+
+    grader.close_pool()
+    killer = threading.Thread(target=kill_the_long_task)
+    killer.start()
+    start = time.perf_counter()
+    answers = grader.map_with_deadline(sleeper.nap, [(60,), (0.1,), (0.2,)], 2, 120.0, "timeout")
+    elapsed = time.perf_counter() - start
+    killer.join()
+    assert killed and answers == ["timeout", 0.1, 0.2] and elapsed < 30, (killed, answers, elapsed)
+    assert all(w.proc.poll() is None for w in grader._pool) and killed[0] not in [w.proc.pid for w in grader._pool]
+    assert grader.map_with_deadline(sleeper.nap, [(0.1,), (0.1,)], 2, 60.0, "timeout") == [0.1, 0.1]
     grader.close_pool()
 
 
