@@ -57,9 +57,10 @@ def check_special_files(folder: str, recursive: bool = True):
 def check_weights(folder: str, params: dict | None = None, known: set | None = None):
     """Every safetensors file of a model folder opens and its header matches the file's size (a truncated write
     does not); with params ({name: shape}, model_parameters), the weights hold each with that shape (a config.json
-    edited to another vocabulary or width does not), and with known (every name the model loads, model_parameters)
-    no weight the model does not have: a weight left out would start at random, one too many is a model of
-    another kind. Raises ValueError naming the file."""
+    edited to another vocabulary or width does not), and with known (the other names a file of the model may hold,
+    model_parameters) no weight the model does not have: a weight left out would start at random, one too many is
+    a model of another kind. Without known (a model whose weights transformers renames as it loads them) only the
+    names found are checked. Raises ValueError naming the file."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -73,7 +74,7 @@ def check_weights(folder: str, params: dict | None = None, known: set | None = N
         except Exception as error:
             raise ValueError(f"{path} is damaged ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
     for name, shape in (params or {}).items():
-        if shapes.get(name) != shape:
+        if shapes.get(name) != shape and (name in shapes or known is not None):
             raise ValueError(f"{folder}/config.json makes {name} {list(shape)}, its weights hold "
                              f"{list(shapes[name]) if name in shapes else 'none'}: the config and weights disagree"
                              + ("" if name in shapes else " (a weight left out would start at random)"))
@@ -155,7 +156,7 @@ def check_tokenizer(tokenizer, source: str, rows: int | None):
     """A tokenizer that can run the model: it turns text into tokens (a folder whose tokenizer files are gone
     loads as an empty one, and every prompt would be []), and no token id is past the embedding's last row
     (fewer tokens than rows is fine: vocabularies are padded). Raises ValueError."""
-    if not tokenizer("1 + 1 = 2").input_ids:
+    if not tokenizer("1 + 1 = 2", add_special_tokens=False).input_ids:
         raise ValueError(f"{source} holds no usable tokenizer (it turns text into no tokens; are its tokenizer.json "
                          f"and tokenizer_config.json missing?): copy them from where the model came from")
     largest = max(tokenizer.get_vocab().values(), default=-1) + 1

@@ -101,8 +101,8 @@ def run_saying_yes(argv, tmp_path, program):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("program", ["remix.py", "eval.py"])
-@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("program", ["remix.py", pytest.param("eval.py", marks=pytest.mark.long)])
+@pytest.mark.parametrize("where", ["config.json", pytest.param("tokenizer_config.json", marks=pytest.mark.long)])
 def test_a_model_folder_asking_to_run_its_code_is_refused_in_one_line_whatever_stdin_says(program, where, tiny_model,
                                                                                          train_file, tmp_path):
     model, out, marker = tmp_path / "model", tmp_path / "out", tmp_path / "RAN"
@@ -126,6 +126,7 @@ def two_steps(tiny_model, train_file, tmp_path_factory):
     return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("two"), keep_last=2)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["checkpoint-2/config.json", "checkpoint-2/tokenizer_config.json",
                                    "checkpoint-2/critic/config.json"])
@@ -253,6 +254,7 @@ def resume_refused(capsys, out: Path, message: str, **given):
     return err[0]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_resume_takes_the_new_place_of_a_moved_model_and_dataset_and_continues_exactly(tiny_model, train_file,
                                                                                         tmp_path, capsys):
