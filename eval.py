@@ -258,7 +258,8 @@ def start_sampler(args: EvalArgs, prompts: list[list[int]]):
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **models.NO_CODE)
     return model.to(dist.device()).eval()
 
 

@@ -129,7 +129,8 @@ def host_memory_part(before: str | None, rounds: int):
 
     # stored in bf16, as hub checkpoints are: loading fp32 masters then converts into new memory (an fp32
     # checkpoint would be memory-mapped, and only the pages that sharding reads would count)
-    AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).save_pretrained(model)
+    AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16,
+                                         trust_remote_code=False).save_pretrained(model)
     sources = {"this checkout": ROOT}
     if before:
         sources = {f"before ({before})": revision_files(before, work / "before"), **sources}

@@ -57,8 +57,8 @@ def main():
                             learning_rate=LR, beta=0.001, temperature=1.0, top_k=0, max_steps=2 * steps,
                             use_vllm=False, report_to="none", save_strategy="no", logging_steps=1000,
                             disable_tqdm=True, use_cpu=True, bf16=False)
-        tokenizer = AutoTokenizer.from_pretrained(toy / "base")
-        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(toy / "base"), reward_funcs=reward,
+        tokenizer = AutoTokenizer.from_pretrained(toy / "base", trust_remote_code=False)
+        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(toy / "base", trust_remote_code=False), reward_funcs=reward,
                               args=config, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
         start = time.perf_counter()
         trainer.train()

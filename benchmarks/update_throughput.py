@@ -122,7 +122,8 @@ def speed_child(algo: str, config: str, reps: int) -> dict:
     critic = None
     if algo == "ppo":
         critic = AutoModelForTokenClassification.from_config(policy.config.__class__(**{**policy.config.to_dict(),
-                                                                                       "num_labels": 1}))
+                                                                                       "num_labels": 1}),
+                                                                trust_remote_code=False)
     args = remix.finalize_args(remix.Args(algo=algo, max_tokens_per_micro_batch=budget,
                                           mini_batch_prompts=16 if algo == "ppo" else 2,
                                           group_size=8 if algo == "grpo" else 1, actor_lr=1e-6))

@@ -16,7 +16,8 @@ call (`dist.all_reduce(...)`, `engines.push_weights(...)`), and nothing here cha
     signals      Ctrl-C, SIGTERM and SIGHUP end a program with one line that says what is kept
     messages     one clear line: fail (exit 2) and say, from the first process only
     checkpoints  checkpoints written atomically, rotated (older ones reduced to model folders), read back for a resume
-    safeload     files from a folder a user points at, read without running anything they hold
+    safeload     files from a folder a user points at, read without running anything they hold; model folders checked
+    inputs       what a resume reads again from outside --out (base model, dataset, benchmarks): moved, and the same
     statecheck   what a checkpoint's trainer state and optimizer shards must hold before a resume uses them
     evaluation   Pass@1 on the benchmarks, for eval.py and for evaluation during training
     progress     progress on long waits: an evaluation's done/total, tokens/s and time left; each step's line

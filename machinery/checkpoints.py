@@ -206,9 +206,9 @@ def reduce(folder: str):
     parts = training_parts(folder)
     if not parts:
         return
-    trash = tempfile.mkdtemp(prefix=".trash-", dir=os.path.dirname(folder))
+    trash = runfolder.fresh_folder(os.path.dirname(folder), ".trash-")
     for index, path in enumerate(parts):
-        os.replace(path, os.path.join(trash, f"{index}-{os.path.basename(path)}"))
+        runfolder.replace(path, os.path.join(trash, f"{index}-{os.path.basename(path)}"))
     _delete(trash)
 
 
@@ -253,9 +253,10 @@ def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
     for name, model_folder in (("policy", folder), ("critic", os.path.join(folder, "critic")),
                                ("reference", os.path.join(folder, "reference"))):
         if os.path.isdir(model_folder):
-            params[name], size = safeload.model_parameters(model_folder, critic=name == "critic")
+            safeload.check_no_code(model_folder)
+            params[name], size, known = safeload.model_parameters(model_folder, critic=name == "critic")
             vocab = size if name == "policy" else vocab
-            safeload.check_weights(model_folder, params[name])
+            safeload.check_weights(model_folder, params[name], known)
     statecheck.check_state(state, path, step_of(folder), defaults, vocab)
     trained = ("policy", "critic") if state["args"]["algo"] == "ppo" else ("policy",)
     if any(name not in params for name in trained):
@@ -315,20 +316,37 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
     fail(f"--resume {out!r}: no checkpoint can be read (see above); start a new run with another --out")
 
 
+def typed_flags(argv: list[str] | None = None) -> set[str]:
+    """The fields whose flags the command line names (--name, --name=VALUE, --no-name for a switch)."""
+    names = set()
+    for arg in sys.argv[1:] if argv is None else argv:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0].replace("-", "_")
+            names |= {name, name.removeprefix("no_")}
+    return names
+
+
+MOVABLE = ("model", "dataset", "eval_data_dir")  # where a resume reads what the run read: the place may have moved
+
+
 def resume_args(args, saved: dict, done: int):
-    """The run's saved arguments; only --steps may change (to extend a run). Other flags given are named."""
+    """The run's saved arguments; only --steps may change (to extend a run), and --model, --dataset and
+    --eval-data-dir may give the new place of what the run read (machinery.inputs checks it is the same). Other
+    flags given are named, those typed at their default value too."""
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(args)}
     saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields}
-    defaults, given = type(args)(), dataclasses.asdict(args)
-    changed = [k for k, v in given.items() if v != getattr(defaults, k) and k not in ("resume", "steps")
-               and v != saved.get(k)]
-    steps_given = args.steps != defaults.steps or any(a == "--steps" or a.startswith("--steps=") for a in sys.argv[1:])
+    defaults, given, typed = type(args)(), dataclasses.asdict(args), typed_flags()
+    changed = [k for k, v in given.items() if (k in typed or v != getattr(defaults, k))
+               and k not in ("resume", "steps") and v != saved.get(k)]
+    moved = {k: given[k] for k in changed if k in MOVABLE}
+    changed = [k for k in changed if k not in moved]
+    steps_given = args.steps != defaults.steps or "steps" in typed
     steps = args.steps if steps_given else saved["steps"]  # --steps 350 typed out extends a run too
     if steps < done:
         fail(f"--resume {args.resume}: the run has finished {done} steps, more than --steps {steps}")
     if changed:
         say("--resume continues with the run's saved arguments; ignored: "
             + ", ".join(f"--{k.replace('_', '-')}" for k in changed))
-    return type(args)(**{**saved, "resume": args.resume, "out": args.resume, "steps": steps})
+    return type(args)(**{**saved, **moved, "resume": args.resume, "out": args.resume, "steps": steps})

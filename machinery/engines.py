@@ -60,8 +60,8 @@ def start(args, max_model_len: int | None = None):
     with kept_threads():  # vLLM sets torch's CPU threads to 1 at start (GPU): the trainer keeps its own
         return LLM(model=args.model, dtype=dtype, enforce_eager=device.type == "cpu", seed=args.seed,
                    max_model_len=max_model_len or args.max_prompt_tokens + args.max_response_tokens,
-                   logprobs_mode="processed_logprobs",
-                   use_tqdm_on_load=False, **extra)
+                   logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
+                   trust_remote_code=False, load_format="safetensors", **extra)  # no folder's code, no pickle
 
 
 def stop(llm):

@@ -10,6 +10,8 @@ import torch
 from machinery import dist, flags
 from machinery.messages import fail, say
 
+# Every weight load: never code from the folder (no prompt, whatever stdin holds), never a pickle (.bin) file
+NO_CODE = {"trust_remote_code": False, "use_safetensors": True}
 LOGPROB_CHUNK = 1024  # response tokens per slice of the output layer: a [1024, vocab] fp32 block is its peak
 
 
@@ -39,7 +41,7 @@ def load(args, checkpoint: str | None = None):
 
     source = checkpoint or args.model
     try:
-        policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        policy = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **NO_CODE)
     except (OSError, ValueError, SafetensorError) as error:  # a folder without a model, a damaged or refused file
         fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{flags.offline_hint()}")
     policy = trainable(savable_generation_config(policy))
@@ -47,16 +49,16 @@ def load(args, checkpoint: str | None = None):
     reference = None
     if args.kl_beta != 0:
         frozen = AutoModelForCausalLM.from_pretrained(os.path.join(checkpoint, "reference") if reincarnated
-                                                      else args.model, dtype=dtype)
+                                                      else args.model, dtype=dtype, **NO_CODE)
         reference = dist.shard(savable_generation_config(frozen, quiet=True).eval().requires_grad_(False), device, dtype)
     critic = None
     if args.algo == "ppo":  # the paper's critic: the base model with a scalar head
         critic_source = os.path.join(checkpoint, "critic") if checkpoint else args.model
-        config = AutoConfig.from_pretrained(critic_source, num_labels=1)
+        config = AutoConfig.from_pretrained(critic_source, num_labels=1, trust_remote_code=False)
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # its load report lists the new head as MISSING
         critic = trainable(AutoModelForTokenClassification.from_pretrained(critic_source, config=config,
-                                                                           dtype=torch.float32))
+                                                                           dtype=torch.float32, **NO_CODE))
         transformers.logging.set_verbosity(verbosity)
         if not checkpoint:
             say("critic: the base model with a new scalar value head (score.*), initialised at random")
@@ -97,7 +99,7 @@ def context_length(source: str, tokenizer) -> tuple[int, str] | None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(source).get_text_config()
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False).get_text_config()
     except (OSError, ValueError):  # loading the model names what is wrong
         return None
     lengths = sorted((getattr(config, key), key) for key in CONTEXT_KEYS if isinstance(getattr(config, key, None), int))

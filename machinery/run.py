@@ -72,7 +72,7 @@ class Session:
     end_step() logs, evaluates and saves."""
 
     def __init__(self, args, method: Method):
-        from machinery import checkpoints, data, evaluation, models, safeload
+        from machinery import checkpoints, data, evaluation, inputs, models, safeload
 
         signals.catch_interrupts()
         bound = flags.ranges(type(args))["dist_timeout"]
@@ -94,6 +94,7 @@ class Session:
             if done >= args.steps:  # nothing to do: say so, exit 0
                 say(f"{args.out} has finished all {args.steps} steps; give --resume a larger --steps to extend it")
                 raise SystemExit(0)
+            inputs.check_resumed(args, self.state["args"], self.state.get("inputs"), self.checkpoint)
         self.args = args = method.finalize(args)
         flags.check_args(args)
         if getattr(args, "offload", False) and not dist.host_collectives():  # a resumed run's saved --offload
@@ -137,6 +138,7 @@ class Session:
         if not args.resume:
             runfolder.prepare_out(args.out, args.overwrite)
         plan.write(self.plan, args.out)
+        self.inputs = inputs.fingerprints(args)  # recorded with each checkpoint: a resume checks a moved input by them
         torch.manual_seed(args.seed)  # the critic's new head starts alike on every rank
 
     def restore(self, policy, reference, critic, optimizers: list, replay, llm):
@@ -245,15 +247,20 @@ class Session:
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoints.save(args.out, step, {**self.models, "reference": self.models["reference"] if reincarnated
                                               else None}, self.tokenizer, self.optimizers,
-                             {"args": dataclasses.asdict(args), "replay": list(self.replay),
+                             {"args": dataclasses.asdict(args), "replay": list(self.replay), "inputs": self.inputs,
                               "progress": {**self.progress, "bad_updates": guard.in_a_row()}}, args.keep_last)
 
 
 def load_tokenizer(source: str, prog: str = "remix"):
-    from transformers import AutoTokenizer
+    """The model's tokenizer, never with code from its folder, checked to fit the model (safeload.check_tokenizer)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from machinery import safeload
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        rows = AutoConfig.from_pretrained(source, trust_remote_code=False).get_text_config().vocab_size
+        safeload.check_tokenizer(tokenizer, source, rows)
     except (OSError, ValueError) as error:  # a folder without a model: OSError, or ValueError from the tokenizer
         fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{flags.offline_hint()}", prog)
     if tokenizer.pad_token_id is None:

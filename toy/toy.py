@@ -204,9 +204,9 @@ def build_toy(cache: Path, seed: int = 0, supervised_steps: int = SUPERVISED_STE
         (cache / f"{name}.jsonl").write_text("".join(json.dumps(problem(t)) + "\n" for t in rows))
     torch.manual_seed(seed)
     build_tiny_model(str(cache / "base"), seed=seed)
-    tokenizer = AutoTokenizer.from_pretrained(cache / "base")
+    tokenizer = AutoTokenizer.from_pretrained(cache / "base", trust_remote_code=False)
     tokenizer.add_tokens([remix.Args.prompt_suffix])  # one token for the fixed instruction: prompts 3x shorter
-    model = AutoModelForCausalLM.from_pretrained(cache / "base")
+    model = AutoModelForCausalLM.from_pretrained(cache / "base", **models.NO_CODE)
     model.resize_token_embeddings(len(tokenizer))
     tokenizer.save_pretrained(cache / "base")
     optim = torch.optim.AdamW(model.parameters(), lr=SUPERVISED_LR)

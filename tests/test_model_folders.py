@@ -1,0 +1,310 @@
+"""Model, tokenizer and checkpoint folders a user points at: none can make remix.py or eval.py run its code, whatever
+stdin holds (every loader is found in the source and must pass trust_remote_code=False); a folder whose weights,
+config and tokenizer do not fit together is one line and exit 2 before anything is written; a resume whose base
+model or dataset moved takes the new place (checked to be the same) and continues exactly.
+
+    pytest -q tests/test_model_folders.py
+"""
+
+import ast
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import eval as eval_cli  # noqa: E402
+import remix  # noqa: E402
+from machinery import checkpoints, models, runfolder, safeload  # noqa: E402
+from tests.common import ROOT, one_error_line, read_metrics, run_remix, tiny_args, tiny_cli  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------
+# Every loader, found in the source, passes trust_remote_code=False (and loads no pickle)
+# ----------------------------------------------------------------------------------------------
+SOURCES = ["remix.py", "eval.py", *sorted(f"machinery/{p.name}" for p in (ROOT / "machinery").glob("*.py")),
+           *sorted(f"toy/{p.name}" for p in (ROOT / "toy").glob("*.py")),
+           *sorted(f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py"))]
+USER_FACING = ("remix.py", "eval.py", "machinery/")  # load what a user points at: weights only from safetensors
+
+
+def loader_calls(path: str):
+    """(line, what, keywords) of every call that loads a model, config or tokenizer: X.from_pretrained(...),
+    X.from_config(...), AutoAnything(...) and vLLM's LLM(...); what is 'X.from_pretrained' (or the called name).
+    keywords maps each keyword to its constant value; a **NAME spread is that dict of machinery.models (NO_CODE)."""
+    def name_of(node):
+        return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+    for node in ast.walk(ast.parse((ROOT / path).read_text(), path)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = name_of(node.func)
+        if name in ("from_pretrained", "from_config", "LLM") or name.startswith("Auto"):
+            keywords = {}
+            for kw in node.keywords:
+                if kw.arg is None:  # **spread
+                    keywords.update(getattr(models, name_of(kw.value), {}))
+                elif isinstance(kw.value, ast.Constant):
+                    keywords[kw.arg] = kw.value.value
+            yield node.lineno, f"{name_of(node.func.value)}.{name}" if name.startswith("from_") else name, keywords
+
+
+def test_every_model_config_and_tokenizer_load_refuses_a_folders_code():
+    calls = [(path, *call) for path in SOURCES for call in loader_calls(path)]
+    assert len([c for c in calls if c[0].startswith(USER_FACING)]) >= 10, calls  # the finder finds them
+    for path, line, what, keywords in calls:
+        assert keywords.get("trust_remote_code") is False, f"{path}:{line} {what} lacks trust_remote_code=False"
+        if path.startswith(USER_FACING) and what == "LLM":
+            assert keywords.get("load_format") == "safetensors", f"{path}:{line} vLLM may load a pickled .bin"
+        elif path.startswith(USER_FACING) and "Model" in what and what.endswith(".from_pretrained"):
+            assert keywords.get("use_safetensors") is True, f"{path}:{line} {what} may load a pickled .bin"
+
+
+# ----------------------------------------------------------------------------------------------
+# A folder whose config asks for its own code: refused in one line, nothing run, whatever stdin says
+# ----------------------------------------------------------------------------------------------
+PROMPT = "Do you wish to run the custom code"
+
+
+def plant_code(folder: Path, where: str, marker: Path):
+    """evil.py beside the model, which writes marker when imported, and an auto_map to it in config.json (with a
+    model_type transformers does not know) or in tokenizer_config.json (with an unknown tokenizer_class): what
+    makes transformers ask whether to run it."""
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                    "from transformers import PretrainedConfig, PreTrainedTokenizerFast\n"
+                                    "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+                                    "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    path = folder / where
+    content = json.loads(path.read_text())
+    if where.endswith("tokenizer_config.json"):
+        content.update(auto_map={"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]},
+                       tokenizer_class="EvilTokenizer")
+    else:
+        content.update(auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
+                       model_type="evil")
+    path.write_text(json.dumps(content))
+
+
+def run_saying_yes(argv, tmp_path, program):
+    """The program with 'y' on every line of stdin, transformers' module cache inside tmp_path."""
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    return subprocess.run([sys.executable, str(ROOT / program), *argv], input="y\n" * 100, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", ["remix.py", pytest.param("eval.py", marks=pytest.mark.long)])
+@pytest.mark.parametrize("where", ["config.json", pytest.param("tokenizer_config.json", marks=pytest.mark.long)])
+def test_a_model_folder_asking_to_run_its_code_is_refused_in_one_line_whatever_stdin_says(program, where, tiny_model,
+                                                                                         train_file, tmp_path):
+    model, out, marker = tmp_path / "model", tmp_path / "out", tmp_path / "RAN"
+    shutil.copytree(tiny_model, model)
+    plant_code(model, where, marker)
+    argv = tiny_cli(str(model), train_file, out) if program == "remix.py" else \
+        ["--model", str(model), "--out", str(out), "--limit", "1", "--sampler", "hf"]
+    done = run_saying_yes(argv, tmp_path, program)
+    assert not marker.exists(), "the folder's code ran"
+    assert PROMPT not in done.stdout + done.stderr
+    one_error_line(done, f"{model / where}", prog=program.removesuffix(".py"))
+    assert "remix never runs a model folder's code" in done.stderr or "which remix never runs" in done.stderr
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def two_steps(tiny_model, train_file, tmp_path_factory):
+    """A two-step PPO run with a checkpoint after each (a policy, a critic, a tokenizer in each)."""
+    from tests.common import two_step_ppo_run
+
+    return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("two"), keep_last=2)
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["checkpoint-2/config.json", "checkpoint-2/tokenizer_config.json",
+                                   "checkpoint-2/critic/config.json"])
+def test_a_checkpoint_edited_to_run_its_code_is_refused_on_resume(where, two_steps, tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "RAN"
+    shutil.copytree(two_steps, out)
+    plant_code((out / where).parent, Path(where).name, marker)
+    done = run_saying_yes(["--resume", str(out), "--steps", "3"], tmp_path, "remix.py")
+    assert not marker.exists() and PROMPT not in done.stdout + done.stderr
+    one_error_line(done, f"{out / where} has ")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and not (out / "checkpoint-3").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights, config and tokenizer that do not fit: one line before anything is written
+# ----------------------------------------------------------------------------------------------
+def edit_json(path: Path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def edit_weights(folder: Path, change):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    change(weights)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+class Payload:
+    """A pickle that writes a file when unpickled: a .bin is never unpickled, so it never does."""
+    marker = None
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def pickled_only(folder: Path):
+    from safetensors.torch import load_file
+
+    Payload.marker = str(folder / "UNPICKLED")
+    torch.save({**load_file(folder / "model.safetensors"), "x": Payload()}, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+
+
+def more_tokens_than_rows(folder: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    tokenizer.add_tokens([f"<extra{i}>" for i in range(5)])  # 264 tokens, 259 rows
+    tokenizer.save_pretrained(folder)
+
+
+BAD_FOLDERS = {
+    "intermediate-size": (lambda f: edit_json(f / "config.json", intermediate_size=300),
+                          "makes model.layers.0.mlp.gate_proj.weight [300, 128], its weights hold [256, 128]"),
+    "weight-left-out": (lambda f: edit_weights(f, lambda w: w.pop("model.norm.weight")),
+                        "its weights hold none: the config and weights disagree (a weight left out would start at "
+                        "random)"),
+    "weight-too-many": (lambda f: edit_weights(f, lambda w: w.update({"model.extra.weight": torch.zeros(2)})),
+                        "weights hold model.extra.weight, which the model its config.json describes does not have"),
+    "pickle-only": (pickled_only, "holds its weights as pytorch_model.bin, a pickle (loading one can run code), and no "
+                                  "*.safetensors: remix never unpickles a model; convert it to safetensors"),
+    "no-tokenizer": (lambda f: [(f / name).unlink() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                                  "chat_template.jinja")],
+                     "holds no usable tokenizer (it turns text into no tokens"),
+    "more-tokens-than-rows": (more_tokens_than_rows, "tokenizer has 264 tokens and the model's embedding 259 rows"),
+}
+
+
+@pytest.mark.parametrize("program", ["remix", "eval"])
+@pytest.mark.parametrize("case", list(BAD_FOLDERS))
+def test_a_model_folder_transformers_would_refuse_or_patch_is_one_line_before_anything_is_written(
+        case, program, tiny_model, train_file, tmp_path, capsys):
+    spoil, message = BAD_FOLDERS[case]
+    model, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(tiny_model, model)
+    spoil(model)
+    with pytest.raises(SystemExit) as exit_info:
+        if program == "remix":
+            remix.train(tiny_args(str(model), train_file, out))
+        else:
+            eval_cli.main(eval_cli.EvalArgs(model=str(model), out=str(out), limit=1, sampler="hf"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(f"{program}: error: "), err
+    assert message in err[0] and str(model) in err[0], err
+    assert not out.exists()  # no settings.json, no samples.jsonl, no lock
+    assert not (model / "UNPICKLED").exists()
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_loads(tiny_model, tmp_path):
+    """Fewer tokens than embedding rows, as Qwen pads its vocabulary to a multiple of 64: accepted."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from machinery import run
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = Qwen2Config.from_pretrained(model)
+    config.vocab_size = 320
+    Qwen2ForCausalLM(config).save_pretrained(model)
+    params, vocab = safeload.check_model_folder(str(model))
+    assert vocab == 320 and params["model.embed_tokens.weight"] == (320, 128)
+    assert len(run.load_tokenizer(str(model))) == 259
+
+
+# ----------------------------------------------------------------------------------------------
+# A resume whose base model and dataset moved
+# ----------------------------------------------------------------------------------------------
+def snapshot(out: Path) -> dict:
+    """Every file of a run folder and its bytes, but the lock (which names the job that last held it)."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()
+            and p.name != ".remix.lock"}
+
+
+def resume_refused(capsys, out: Path, message: str, **given):
+    before = snapshot(out)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            remix.train(remix.Args(resume=str(out), **given))
+    finally:
+        runfolder.unlock()  # the folder is locked by this process until it ends; the resume after is another
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert snapshot(out) == before
+    return err[0]
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_resume_takes_the_new_place_of_a_moved_model_and_dataset_and_continues_exactly(tiny_model, train_file,
+                                                                                        tmp_path, capsys):
+    from tests.test_runs import comparable
+
+    base, data = tmp_path / "base", tmp_path / "train.jsonl"
+    shutil.copytree(tiny_model, base)
+    shutil.copy(train_file, data)
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    for folder, steps in ((straight, "4"), (out, "2")):  # GRPO with a KL term: the reference is the base model
+        done = run_remix(*tiny_cli(str(base), str(data), folder, "--steps", steps, "--save-every", "2"))
+        assert done.returncode == 0, done.stderr[-3000:]
+    moved_base, moved_data = tmp_path / "moved" / "base", tmp_path / "moved" / "train.jsonl"
+    moved_base.parent.mkdir()
+    base.rename(moved_base)
+    data.rename(moved_data)
+    line = resume_refused(capsys, out, f"the run's model {base} is no longer there; give its new place: "
+                                       f"--resume {out} --model NEW_PLACE", steps=4)
+    assert "pass an existing local folder" not in line
+    resume_refused(capsys, out, f"the run's dataset {data} is no longer there; give its new place: --resume {out} "
+                                f"--dataset NEW_PLACE", steps=4, model=str(moved_base))
+    other = tmp_path / "other.jsonl"  # the same rows but one
+    other.write_text("".join(moved_data.read_text().splitlines(keepends=True)[1:]))
+    resume_refused(capsys, out, f"--dataset {other} is not where the run's dataset {data} moved to (its content "
+                                f"differs", steps=4, model=str(moved_base), dataset=str(other))
+    wider = tmp_path / "wider"  # another model of the same kind
+    from tests.tiny_model import build_tiny_model
+
+    build_tiny_model(str(wider), hidden_size=64)
+    capsys.readouterr()  # its save's progress bar
+    resume_refused(capsys, out, f"--model {wider} is not where the run's model {base} moved to (its weights have "
+                                f"other names or shapes", steps=4, model=str(wider), dataset=str(moved_data))
+    done = run_remix("--resume", str(out), "--steps", "4", "--model", str(moved_base), "--dataset", str(moved_data))
+    assert done.returncode == 0 and "ignored" not in done.stdout + done.stderr, done.stderr[-3000:]
+    resumed = read_metrics(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [comparable(r) for r in read_metrics(straight)] == \
+        [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in resumed]
+    saved = safeload.read_pt(str(out / "checkpoint-4" / "trainer_state.pt"))["args"]
+    assert (saved["model"], saved["dataset"]) == (str(moved_base), str(moved_data))  # the next resume needs no flag
+
+
+def test_a_flag_typed_at_its_default_value_on_a_resume_is_named_as_ignored(tmp_path, monkeypatch, capsys):
+    saved = dataclasses.asdict(remix.Args(steps=2, kl_beta=0.01, out=str(tmp_path)))
+    monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--kl-beta", str(remix.Args.kl_beta),
+                                      "--no-reincarnation"])
+    resumed = checkpoints.resume_args(remix.Args(resume=str(tmp_path), reincarnation=False), saved, 2)
+    assert resumed.kl_beta == 0.01 and resumed.reincarnation is True
+    out = capsys.readouterr().out
+    assert "ignored: --reincarnation, --kl-beta" in out, out
+    monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--kl-beta", "0.01"])  # the saved value
+    checkpoints.resume_args(remix.Args(resume=str(tmp_path), kl_beta=0.01), saved, 2)
+    assert "ignored" not in capsys.readouterr().out
