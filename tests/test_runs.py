@@ -412,6 +412,30 @@ def test_a_worker_function_must_be_importable(monkeypatch):
         grader.map_with_deadline(main.typed_in, [(1,)], 1, 10.0, None)
 
 
+def test_workers_run_each_function_from_its_own_file_whatever_its_modules_name(tmp_path):
+    """A fork named remix.py in another folder, loaded under the module name the repository's remix.py already holds in
+    this process, a second one likewise, and remix_mine.py beside them: the same workers run each task from the file
+    its function came from, never another module of the same name (by sys.path or sys.modules)."""
+    import importlib.util
+
+    functions = []
+    for folder, file in (("a", "remix.py"), ("b", "remix.py"), ("b", "remix_mine.py")):
+        path = tmp_path / folder / file
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"def who(x):\n    return {folder + '/' + file!r}, x\n")
+        spec = importlib.util.spec_from_file_location("remix", path)  # the name sys.modules gives the repository's
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        functions.append(module.who)
+    assert sys.modules["remix"] is remix
+    for _ in range(2):  # the second round in workers that have imported all three
+        assert [grader.map_with_deadline(fn, [(1,)], 2, 20.0, None)[0] for fn in functions] == \
+            [("a/remix.py", 1), ("b/remix.py", 1), ("b/remix_mine.py", 1)]
+    assert grader.resolve(grader.reference(remix.final_answer)) is not remix.final_answer  # by file: its own copy
+    assert grader.resolve(grader.reference(remix.final_answer))("\\boxed{7}") == "7"
+    grader.close_pool()
+
+
 @pytest.mark.slow
 def test_worker_pool_runs_the_function_it_is_given():
     """Workers outlive a call; a call with another function must not get the old function's answers."""
