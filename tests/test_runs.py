@@ -1213,6 +1213,87 @@ def test_a_fork_under_another_name_trains_evaluates_and_grades_with_its_own_func
     assert remix.grade_response("no answer", "1") == (0.0, "no_boxed") and remix.final_answer("x") is None
 
 
+def load_file(path: Path, name: str):
+    """A method file imported from its path under a module name of its own (as eval.py and the forks test do)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_run_resumes_only_with_the_method_that_wrote_it_and_drops_no_saved_flag(tiny_model, train_file, tmp_path,
+                                                                                   capsys):
+    """A run records the method file that wrote it (name and sha256). The DAPO fork's run (a flag of its own,
+    --clip-eps-high) resumed by remix.py: refused in one line naming both files; with --resume-other-method, refused in
+    one line naming the fork's flag and its value, which remix.py would drop; by the fork: it continues, flag kept. A
+    renamed copy of remix.py's run continues under remix.py with --resume-other-method, which records remix.py."""
+    import hashlib
+
+    fork_path = forked_file("dapo_clip_higher", tmp_path)
+    fork = load_file(fork_path, "remix_dapo_clip_higher")
+    tiny = dict(model=tiny_model, dataset=train_file, prompts_per_step=4, max_response_tokens=16, mini_batch_prompts=2,
+                sampler="hf", save_every=1, seed=3, eval_every=0, log_completions=0, algo="grpo", group_size=2)
+    out = tmp_path / "fork-run"
+    fork.train(fork.Args(**tiny, steps=1, out=str(out)))
+    state = torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)
+    assert state["method"] == {"file": "remix_dapo_clip_higher.py",
+                               "sha256": hashlib.sha256(fork_path.read_bytes()).hexdigest()}
+    capsys.readouterr()
+    one_line_exit(capsys, lambda: remix.train(remix.Args(resume=str(out), steps=2)),
+                  f"was written by remix_dapo_clip_higher.py (sha256 {state['method']['sha256'][:12]}), not by remix.py")
+    one_line_exit(capsys, lambda: remix.train(remix.Args(resume=str(out), steps=2, resume_other_method=True)),
+                  "saved argument --clip-eps-high = 0.28 is no flag of remix.py")
+    assert not (out / "checkpoint-2").exists()
+    fork.train(fork.Args(resume=str(out), steps=2))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["args"]["clip_eps_high"] == 0.28
+    copy = load_file(shutil.copy(HERE / "remix.py", tmp_path / "remix_copy.py"), "remix_copy")
+    out = tmp_path / "copy-run"
+    copy.train(copy.Args(**tiny, steps=1, out=str(out)))
+    capsys.readouterr()
+    one_line_exit(capsys, lambda: remix.train(remix.Args(resume=str(out), steps=2)), "not by remix.py")
+    remix.train(remix.Args(resume=str(out), steps=2, resume_other_method=True))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["method"]["file"] == "remix.py"
+
+
+@pytest.mark.slow
+def test_eval_grades_with_the_method_it_is_named_and_says_when_another_trained_the_checkpoint(tiny_model, train_file,
+                                                                                             tmp_path):
+    """A fork whose answer check calls every answer right, in a folder of its own: trained one step, its checkpoint
+    scores 100 on two benchmarks in eval.py --method remix_mine.py (its prompt and check, in the grading workers too)
+    and 0 with the default remix.py, which says in one line that another method trained it; the same fork saved as
+    remix.py in another folder (the module name of eval.py's own remix.py) scores 100 with --method too."""
+    source = (HERE / "remix.py").read_text()
+    head = "def grade_response(response: str, answer: str) -> tuple[float, str]:\n"
+    assert source.count(head) == 1
+    source = source.replace(head, f"{head}    return 1.0, 'ok'  # fork: every answer right\n")
+    for folder, name in (("mine", "remix_mine.py"), ("clash", "remix.py")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text(source)
+    fork = load_file(tmp_path / "mine" / "remix_mine.py", "remix_mine")
+    run_folder = tmp_path / "run"
+    fork.train(fork.Args(model=tiny_model, dataset=train_file, prompts_per_step=2, max_response_tokens=8, steps=1,
+                         sampler="hf", save_every=1, eval_every=0, log_completions=0, out=str(run_folder)))
+    model = run_folder / "checkpoint-1"
+    for method, score, said in ((tmp_path / "mine" / "remix_mine.py", 100.0, False), (None, 0.0, True),
+                                (tmp_path / "clash" / "remix.py", 100.0, True)):
+        out = tmp_path / f"eval-{score}-{said}"
+        done = subprocess.run([sys.executable, str(HERE / "eval.py"), "--model", str(model), "--benchmarks", "aime24",
+                               "amc23", "--limit", "2", "--sampler", "hf", "--max-tokens", "8", "--out", str(out),
+                               *(["--method", str(method)] if method else [])], capture_output=True, text=True,
+                              timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())["greedy"]
+        assert [summary[b]["pass@1"] for b in ("aime24", "amc23")] == [score, score], (method, summary)
+        lines = [line for line in done.stderr.splitlines() if "was trained by remix_mine.py" in line]
+        assert len(lines) == said, done.stderr[-3000:]
+        assert not said or f"evaluated with {'remix.py' if method is None else method.name}" in lines[0]
+
+
 @pytest.mark.long
 @pytest.mark.slow
 def test_the_format_reward_fork_leaves_eval_pass_at_1_alone(tmp_path):
