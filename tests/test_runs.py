@@ -1104,6 +1104,8 @@ FORKS = {
     "dr_grpo": "losses/policy_loss",
     "sequence_mean": "losses/policy_loss",
     "format_reward": "reward/mean",
+    "clip_higher_replayed_only": "losses/clipfrac",
+    "length_penalty": "reward/mean",
 }
 GRPO_ONLY = ("grpo_informative_groups", "dr_grpo")  # they change GRPO's group advantage or its groups
 
@@ -1172,6 +1174,18 @@ def test_every_fork_applies_runs_saves_resumes_and_changes_what_it_should(tiny_m
     assert [r["batch/fresh"] for r in grpo["p_schedule"][:2]] == [6, 8]
     assert [r["batch/fresh"] for r in grpo["unforked"][:2]] == [6, 6]
     assert found["dr_grpo"]["budget"] == args["max_response_tokens"]  # the run's budget, not Args' 8192
+    for algo in ("grpo", "ppo"):
+        base, wider, longer = (metrics[name, algo] for name in ("unforked", "clip_higher_replayed_only", "length_penalty"))
+        # the wider clip touches replayed samples only: step 1 has none, and is the unforked step to the bit
+        assert {k: v for k, v in wider[0].items() if not k.startswith("perf/")} == \
+            {k: v for k, v in base[0].items() if not k.startswith("perf/")}, algo
+        assert wider[1]["batch/historical"] > 0 and wider[1]["losses/clipfrac"] < base[1]["losses/clipfrac"], algo
+        # the length penalty: 0.001 a token and 0.1 more when cut, by hand from the logged means; the answer check as is
+        for row, plain in zip(longer, base):
+            assert row["reward/length"] == pytest.approx(-0.001 * row["response/length_mean"]
+                                                         - 0.1 * row["response/truncated"], abs=1e-9), algo
+            assert row["reward/mean"] == pytest.approx(row["reward/correct"] + row["reward/length"], abs=1e-9)
+        assert [r["reward/correct"] for r in longer] == [r["reward/correct"] for r in base], algo
 
 
 def test_no_module_of_machinery_imports_the_method_or_finds_it_by_name():
@@ -1289,8 +1303,8 @@ def test_eval_grades_with_the_method_it_is_named_and_says_when_another_trained_t
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads((out / "summary.json").read_text())["greedy"]
         assert [summary[b]["pass@1"] for b in ("aime24", "amc23")] == [score, score], (method, summary)
-        lines = [line for line in done.stderr.splitlines() if "was trained by remix_mine.py" in line]
-        assert len(lines) == said, done.stderr[-3000:]
+        lines = [line for line in done.stdout.splitlines() if "was trained by remix_mine.py" in line]
+        assert len(lines) == said, done.stdout[-3000:]
         assert not said or f"evaluated with {'remix.py' if method is None else method.name}" in lines[0]
 
 
