@@ -184,6 +184,28 @@ def one_line_exit(capsys, call, message: str):
     assert len(err) == 1 and message in err[0], err
 
 
+def test_a_resume_by_another_method_or_with_an_unknown_saved_flag_is_one_line(capsys):
+    """checkpoints.check_writer: another file, or another version of this one, is refused naming both (their names
+    and sha256 starts) unless --resume-other-method; a saved flag the resuming Args lacks is refused naming it and
+    its value, with that flag too; the same method, and a run from before the record, pass."""
+    mine, theirs = {"file": "remix.py", "sha256": "a" * 64}, {"file": "remix_mine.py", "sha256": "b" * 64}
+    saved, args = dataclasses.asdict(remix.Args()), remix.Args(resume="runs/x")
+    one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"method": theirs, "args": saved}, mine),
+                  "was written by remix_mine.py (sha256 bbbbbbbbbbbb), not by remix.py (sha256 aaaaaaaaaaaa): "
+                  "resume it with remix_mine.py; or pass --resume-other-method")
+    one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"method": {**mine, "sha256": "c" * 64},
+                                                                  "args": saved}, mine), "another version of it")
+    other = remix.Args(resume="runs/x", resume_other_method=True)
+    checkpoints.check_writer(other, {"method": theirs, "args": saved}, mine)
+    checkpoints.check_writer(args, {"method": mine, "args": saved}, mine)
+    checkpoints.check_writer(args, {"args": saved}, mine)
+    assert "does not record which method wrote it" in capsys.readouterr().out
+    for who in (args, other):
+        one_line_exit(capsys, lambda: checkpoints.check_writer(who, {"method": mine, "args": {**saved, "clip_eps_high":
+                                                                                              0.28}}, mine),
+                      "saved argument --clip-eps-high = 0.28 is no flag of remix.py")
+
+
 def test_datasets_load_from_parquet_and_json_lists_and_name_what_is_wrong(tmp_path, capsys):
     import pandas as pd
 
