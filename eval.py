@@ -7,11 +7,13 @@
     python eval.py --regrade runs/eval/samples.jsonl --grader deepscaler --out runs/eval-deepscaler  # grade again
     python eval.py --curves runs/remix runs/remix-grpo --out runs/curves  # Pass@1 against rollouts, from runs' logs
 
-The prompt, the engines and the answer check are training's (remix.build_prompt, the vLLM engine, remix.grade_response),
-through machinery.evaluation, which also evaluates during training. Every sample is graded by math-verify and by
-DeepScaleR's rules (the grader behind the paper's numbers); --grader picks which one the table reports, and the
-table counts the responses on which they disagree. Samples are written as each benchmark finishes, and a rerun
-with the same --out continues where the last one stopped.
+The prompt, the engines and the answer check are training's (the method's build_prompt, the vLLM engine, its
+final_answer and grade_response), through machinery.evaluation, which also evaluates during training. The method is
+remix.py beside this file, or the file --method names (a fork: python eval.py --method remix_mine.py --model M),
+imported from that path: only the command line chooses the code that runs, never a file in --model or --out. Every
+sample is graded by the method's answer check and by DeepScaleR's rules (the grader behind the paper's numbers);
+--grader picks which one the table reports, and the table counts the responses on which they disagree. Samples
+are written as each benchmark finishes, and a rerun with the same --out continues where the last one stopped.
 """
 
 if __name__ == "__main__":  # first: a Ctrl-C while torch imports ends in one line too
@@ -21,14 +23,16 @@ if __name__ == "__main__":  # first: a Ctrl-C while torch imports ends in one li
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
+import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import remix
 from machinery import data, dist, evaluation, flags, messages, models, run, runfolder, safeload, signals
 
 PROG = "eval"
@@ -70,8 +74,11 @@ class EvalArgs:
     """in [1, 1000000]: evaluate only the first this many problems of each benchmark (smoke tests)"""
     system_prompt: str | None = None
     """a system turn before the problem (training's default has none)"""
-    prompt_suffix: str = remix.Args.prompt_suffix
-    """appended to every problem (training's prompt)"""
+    prompt_suffix: str | None = None
+    """appended to every problem (default: the method's Args.prompt_suffix, training's prompt)"""
+    method: str | None = None
+    """the method file whose prompt builder, answer extraction and answer check evaluate (a fork of remix.py:
+    remix_mine.py); default: the remix.py beside eval.py"""
     out: str = "runs/eval"
     """output folder: samples.jsonl, summary.json, results.md (and settings.json, to continue an interrupted run)"""
     overwrite: bool = False
@@ -94,6 +101,43 @@ class EvalArgs:
 
 def fail(message: str):
     messages.fail(message, PROG)
+
+
+_methods = {}  # file -> its module: each method file is imported once per process
+
+
+def load_method(path: str | None):
+    """The method's module, imported from the file the user named with --method (remix.py beside eval.py without
+    it); its METHOD and Args are what eval.py uses. A module of the same name that is another file (the repository's
+    remix.py beside a fork named remix.py) is never taken for it."""
+    path = os.path.abspath(path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "remix.py"))
+    if not (path.endswith(".py") and os.path.isfile(path)):
+        fail(f"--method {path!r} is not a Python file; give the method's file, a copy of remix.py (remix_mine.py)")
+    if path not in _methods:
+        stem = os.path.basename(path)[:-3]
+        same = sys.modules.get(stem)
+        if same is not None and os.path.abspath(getattr(same, "__file__", "") or "") == path:
+            _methods[path] = same  # already imported from this very file (tests import remix)
+        else:
+            # a name of its own: no clash with another module of its stem (the repository's remix, another fork)
+            name = f"eval_method_{hashlib.sha256(path.encode()).hexdigest()[:12]}_" + re.sub(r"\W", "_", stem)
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+            try:
+                spec.loader.exec_module(module)
+            except Exception as error:
+                fail(f"--method {path}: importing it failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+            _methods[path] = module
+    module = _methods[path]
+    if not isinstance(getattr(module, "METHOD", None), run.Method) or not dataclasses.is_dataclass(
+            getattr(module, "Args", None)):
+        fail(f"--method {path}: it has no METHOD (a machinery.run.Method) and Args, as remix.py has; give a copy of it")
+    return module
+
+
+def suffix_of(args: EvalArgs) -> str:
+    """--prompt-suffix, or the method's default."""
+    return args.prompt_suffix if args.prompt_suffix is not None else load_method(args.method).Args.prompt_suffix
 
 
 def protocol_runs(args: EvalArgs, names: list[str]) -> list[dict]:
@@ -130,13 +174,33 @@ def check(args: EvalArgs):
                    **({"--benchmarks": " ".join(args.benchmarks)} if args.hub else {})}, PROG)
     if dist.world() % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the {dist.world()} processes")
+    mine, theirs = load_method(args.method).METHOD.record(), trained_by(args.model)
+    if theirs is not None and (theirs["file"], theirs.get("sha256")) != (mine["file"], mine["sha256"]):
+        messages.say(f"{args.model} was trained by {theirs['file']} (sha256 {str(theirs.get('sha256'))[:12]}) and is "
+                     f"evaluated with {mine['file']} (sha256 {str(mine['sha256'])[:12]}): its prompt and answer check "
+                     f"(--method names the method file)", PROG)
+
+
+def trained_by(model: str) -> dict | None:
+    """The record of the method that trained a checkpoint (its trainer state's, read without running anything), or
+    None for a model that is no checkpoint of a run, or one from before runs recorded it."""
+    path = os.path.join(model, "trainer_state.pt")
+    if not os.path.isfile(path):
+        return None
+    try:
+        state = safeload.read_pt(path)
+    except (ValueError, OSError):  # a damaged state trains nothing here: the evaluation goes on without the line
+        return None
+    record = state.get("method") if isinstance(state, dict) else None
+    return record if isinstance(record, dict) and isinstance(record.get("file"), str) else None
 
 
 def settings_of(args: EvalArgs) -> dict:
     """What the samples depend on: a rerun with the same --out continues only with the same settings."""
     keys = ("model", "benchmarks", "data_dir", "hub", "protocol", "n", "temperature", "top_p", "max_tokens", "sampler",
-            "limit", "system_prompt", "prompt_suffix", "seed", "precision")
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(args).items() if k in keys}
+            "limit", "system_prompt", "seed", "precision")
+    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(args).items() if k in keys}
+    return {**settings, "prompt_suffix": suffix_of(args), "method": load_method(args.method).METHOD.record()}
 
 
 def stamp_of(settings: dict) -> str:
@@ -250,9 +314,10 @@ def start_sampler(args: EvalArgs, prompts: list[list[int]]):
     if args.sampler == "vllm":
         from machinery import engines
 
-        settings = remix.Args(model=args.model, seed=args.seed, vllm_tp=args.vllm_tp, precision=precision,
-                              max_prompt_tokens=max(map(len, prompts)), max_response_tokens=args.max_tokens,
-                              vllm_sleep=False, vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+        settings = load_method(args.method).Args(
+            model=args.model, seed=args.seed, vllm_tp=args.vllm_tp, precision=precision,
+            max_prompt_tokens=max(map(len, prompts)), max_response_tokens=args.max_tokens, vllm_sleep=False,
+            vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
         return engines.start(settings)
     import transformers
     from transformers import AutoModelForCausalLM
@@ -278,8 +343,9 @@ def evaluate(args: EvalArgs) -> list[dict]:
     sizes = {(r["label"], name): len(problems[name]) * r["n"] for r in runs for name in names}
     if not tokenizer.chat_template:
         messages.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text", PROG)
-    encode = data.template_guard(lambda problem: remix.build_prompt(tokenizer, problem, args.prompt_suffix,
-                                                                    args.system_prompt), args.model, PROG)
+    method, suffix = load_method(args.method).METHOD, suffix_of(args)
+    encode = data.template_guard(lambda problem: method.build_prompt(tokenizer, problem, suffix, args.system_prompt),
+                                 args.model, PROG)
     prompts = {name: [encode(p["problem"]) for p in rows] for name, rows in problems.items()}
     longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
     if context is not None and longest + args.max_tokens > context:  # before --out is written
@@ -321,7 +387,7 @@ def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, st
         if dist.rank() == 0:
             unit = [{**record, "settings": stamp} for record in
                     evaluation.records(problems[name], generated, r["label"], repeat, args.seed + repeat)]
-            evaluation.grade(remix.METHOD, unit, args.workers, args.grade_timeout)
+            evaluation.grade(load_method(args.method).METHOD, unit, args.workers, args.grade_timeout)
             evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), unit, mode="a")
             samples += unit
             messages.say(f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}: {len(unit)} samples in "
@@ -338,16 +404,18 @@ def main(args: EvalArgs) -> dict:
         return curves.draw(args.curves, args.out)
     if args.regrade:
         flags.check_ranges(args, PROG)
+        load_method(args.method)
         samples = evaluation.read_samples(args.regrade, PROG)
         prepare_regrade(args)
         if dist.rank() == 0:
             messages.say(f"grading {len(samples)} responses with {args.workers} worker processes", PROG)
-            evaluation.grade(remix.METHOD, samples, args.workers, args.grade_timeout)
+            evaluation.grade(load_method(args.method).METHOD, samples, args.workers, args.grade_timeout)
             evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), samples)
     else:
         check(args)
         samples = evaluate(args)
-    summary = evaluation.summarize(samples, remix.SELF_REFLECTION_WORDS, args.grader) if dist.rank() == 0 else {}
+    words = load_method(args.method).METHOD.reflection_words
+    summary = evaluation.summarize(samples, words, args.grader) if dist.rank() == 0 else {}
     if dist.rank() == 0:
         runfolder.replace_file(os.path.join(args.out, "summary.json"), [json.dumps(summary, indent=1)])
         table = evaluation.markdown(summary)

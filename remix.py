@@ -148,6 +148,8 @@ class Args:
     """in [0, 1000000]: keep the newest this many checkpoints, the newest full and the others model folders (0: all)"""
     resume: str | None = None
     """continue the run in this folder from its newest checkpoint, with the run's saved arguments"""
+    resume_other_method: bool = False
+    """--resume a run that another method file (or another version of this one) wrote: it continues with this one"""
     track: bool = False
     """log to Weights & Biases as well"""
     eval_every: int = 25
@@ -177,9 +179,7 @@ def finalize_args(args: Args) -> Args:
     return args
 
 
-# ----------------------------------------------------------------------------------------------
-# The prompt and the reward: answer verification with math-verify (spec Sec. 7); METHOD hands them to machinery
-# ----------------------------------------------------------------------------------------------
+# ---- The prompt and the reward: answer verification with math-verify (spec Sec. 7); METHOD hands them to machinery --
 SELF_REFLECTION_WORDS = ("verify", "re-examine", "double-check", "why", "root cause", "validate", "abduct", "question",
                          "check", "but", "wait", "confirm", "scrutinize", "analyze", "investigate", "probe")
 
@@ -225,9 +225,10 @@ def grade_response(response: str, answer: str) -> tuple[float, str]:
         return 0.0, "error"
 
 
-def training_reward(response: str, answer: str) -> tuple[dict[str, float], str]:
-    """The training reward by its parts (their sum; each logged as reward/NAME) and the answer check's status. ReMix's
-    is correctness alone; a fork may add parts (a format bonus) and eval.py's answer check stays as it is."""
+def training_reward(response: str, answer: str, tokens: int, truncated: bool) -> tuple[dict[str, float], str]:
+    """The training reward by its parts (their sum; each logged as reward/NAME) and the answer check's status, from the
+    response, its gold answer, its token count and whether it was cut at --max-response-tokens. ReMix's is correctness
+    alone; a fork may add parts (a format bonus, a length penalty) and eval.py's answer check stays as it is."""
     correct, status = grade_response(response, answer)
     return {"correct": correct}, status
 
@@ -362,13 +363,14 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda t: t) -> t
     return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
 
 
-def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2, weights=None):
+def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2, weights=None, historical=None):
     """Eq. 4, Mix-PPG (GePPO's clipped objective), token mean:
         L = - mean[ min( r * A,  clip(r, c - eps, c + eps) * A ) ],  r = pi_theta / mu,  c = pi_k / mu
     The ratio is taken against each sample's behaviour policy mu and the clip interval is centred at
     c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip. clipfrac counts the tokens where
     the clip changes the objective (A > 0 above c + eps, A < 0 below c - eps), as verl and TRL do.
-    weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term: sampler_is_weight."""
+    weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term: sampler_is_weight. historical [N],
+    True on replayed samples, is the same for all here: a fork's handle on them (docs/forks: a clip for them only)."""
     r = ratio(logp - behaviour_logp)  # [N, L]
     centre = ratio(prox_logp - behaviour_logp).detach()  # [N, L]  c, a constant of the step
     unclipped = r * advantages  # [N, L]
@@ -402,9 +404,7 @@ def policy_objective(mix_ppg, entropy, kl_convex, ent_coef: float, beta: float) 
 # ======================================= end of ALGO LOGIC ====================================
 
 
-# ----------------------------------------------------------------------------------------------
-# The replay deque, the two stages and reincarnation; log pi(a_t|s_t) and V(s_t) of every response token
-# ----------------------------------------------------------------------------------------------
+# ---- The replay deque, the two stages and reincarnation; log pi(a_t|s_t) and V(s_t) of every response token ----
 def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
     """n_groups whole groups (Decision 2: group statistics never mix fresh and old responses), drawn uniformly without
     replacement from the last N policies' batches pooled; fewer if the deque holds fewer (none at step 1)."""
@@ -455,10 +455,10 @@ def critic_forward(critic, batch: dict) -> torch.Tensor:
 #                       group, truncated, sampler_logp [L] (vLLM's, None with hf)
 #   2 score             reward, reward_parts, status, reflects                           stored
 #   3 behaviour/ref     behaviour_logp [L] (mu), ref_logp [L], sampler_weight [L]        stored
-#   4 prox/values       prox_logp [L] (pi_k), values [L] (PPO)                           recomputed
+#   4 prox/values       prox_logp [L] (pi_k), historical (replayed now), values [L] (PPO)  recomputed
 #   5 advantages        advantages [L], value_targets [L] (PPO)                          recomputed
 # ==============================================================================================
-RECOMPUTED = ("prox_logp", "values", "advantages", "value_targets")  # 4, 5: a historical sample's anew each step
+RECOMPUTED = ("prox_logp", "historical", "values", "advantages", "value_targets")  # 4, 5: a stored sample's anew
 
 
 def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list[list[dict]]:
@@ -482,8 +482,9 @@ def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list
 def score(fresh: list[dict], tokenizer, args: Args):
     """2. training_reward of each response, graded in worker processes with a deadline (past it: 0, counted)."""
     texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in fresh]
-    grades = grader.map_with_deadline(training_reward, [(text, s["answer"]) for text, s in zip(texts, fresh)],
-                                      args.grader_workers, args.grade_timeout, ({}, "timeout"), parse_boxed, ("1",))
+    items = [(text, s["answer"], len(s["response_ids"]), s["truncated"]) for text, s in zip(texts, fresh)]
+    grades = grader.map_with_deadline(training_reward, items, args.grader_workers, args.grade_timeout, ({}, "timeout"),
+                                      parse_boxed, ("1",))
     for s, text, (parts, status) in zip(fresh, texts, grades):
         s["reward"], s["reward_parts"], s["status"] = sum(parts.values(), 0.0), parts, status
         s["reflects"] = any(word in text.lower() for word in SELF_REFLECTION_WORDS)
@@ -507,11 +508,11 @@ def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args):
 
 
 def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args: Args):
-    """4. log pi_k on the historical samples (on fresh ones pi_k = mu), and the critic's values on all."""
+    """4. log pi_k on the historical samples (on fresh ones pi_k = mu), each marked historical, and values on all."""
     for s in fresh:
-        s["prox_logp"] = s["behaviour_logp"]
+        s["prox_logp"], s["historical"] = s["behaviour_logp"], False
     for s, logp in zip(history, models.per_token(logp_of(args), policy, history, args.max_tokens_per_micro_batch)):
-        s["prox_logp"] = logp
+        s["prox_logp"], s["historical"] = logp, True
     if critic is not None:
         for s, v in zip(fresh + history, models.per_token(critic_forward, critic, fresh + history,
                                                           args.max_tokens_per_micro_batch)):
@@ -537,17 +538,18 @@ def compute_advantages(batch: list[dict], args: Args) -> dict:
         advantages = grpo_token_advantages(a_hat, trace_c, mask, args.grpo_vtrace)  # [N, L]
     for s, adv in zip(batch, advantages):
         s["advantages"] = adv[: len(s["response_ids"])]
-    return {"mask": mask, "trace_c": trace_c, "log_ratio": prox - behaviour, "advantages": advantages}
+    return {"mask": mask, "trace_c": trace_c, "log_ratio": prox - behaviour, "advantages": advantages,
+            "historical": torch.tensor([s["historical"] for s in batch], dtype=torch.bool)}  # [N]
 
 
 def offpolicy_diagnostics(adv: dict, fresh: list[dict], args: Args) -> dict[str, torch.Tensor]:
-    """This rank's off-policy diagnostics (docs/metrics.md), read off the layout: fresh first, groups whole."""
-    n, mask, abs_adv = len(fresh), adv["mask"], adv["advantages"].abs()  # [N, L]
-    log_ratio = adv["log_ratio"][n:][mask[n:]]  # [historical tokens] log(pi_k / mu)
+    """This rank's off-policy diagnostics (docs/metrics.md), on the historical samples and the fresh ones."""
+    old, mask, abs_adv = adv["historical"], adv["mask"], adv["advantages"].abs()  # [N], [N, L], [N, L]
+    log_ratio = adv["log_ratio"][old][mask[old]]  # [historical tokens] log(pi_k / mu)
     rewards = torch.tensor([s["reward"] for s in fresh]).view(-1, args.group_size)  # [fresh groups, G]
     return {"log_ratio": log_ratio, "trace_cut": log_ratio.exp() > args.vtrace_c_bar,  # c_t < pi_k/mu
-            "trace_prod": adv["trace_c"][n:].log().sum(-1).exp(),  # [historical responses] prod over t of c_t
-            "abs_adv_historical": abs_adv[n:][mask[n:]], "abs_adv_fresh": abs_adv[:n][mask[:n]],  # [tokens]
+            "trace_prod": adv["trace_c"][old].log().sum(-1).exp(),  # [historical responses] prod over t of c_t
+            "abs_adv_historical": abs_adv[old][mask[old]], "abs_adv_fresh": abs_adv[~old][mask[~old]],  # [tokens]
             "zero_spread": rewards.std(-1) == 0 if args.group_size > 1 else torch.zeros(0, dtype=torch.bool)}
 
 
@@ -564,12 +566,12 @@ def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd:
             terms = collections.defaultdict(float)  # each logged term, summed with its micro-batch's share
             for micro in dist.micro_batches(rows, args.max_tokens_per_micro_batch):
                 mb = models.collate(micro)
-                mask = mb["response_mask"]  # [n, l]
+                mask, historical = mb["response_mask"], mb["historical"]  # [n, l]; [n], True on replayed samples
                 share = aggregation(mask)[1] / size  # the micro-batch's part of the mini-batch's token mean
                 behaviour, prox, adv = (models.padded(micro, k) for k in ("behaviour_logp", "prox_logp", "advantages"))
                 weights = models.padded(micro, "sampler_weight") if args.sampler_is_cap is not None else None
                 logp, entropy = policy_forward(policy, mb, args.temperature)  # [n, l] log pi_theta, H(pi_theta)
-                pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights)
+                pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights, historical)
                 entropy = masked_mean(entropy, mask)
                 kl = {"losses/policy_loss": pg_loss, "losses/entropy": entropy, "losses/clipfrac": pg_stats["clipfrac"],
                       "losses/approx_kl": pg_stats["approx_kl"], "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
@@ -597,9 +599,7 @@ def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd:
     return stats
 
 
-# ----------------------------------------------------------------------------------------------
-# The training loop
-# ----------------------------------------------------------------------------------------------
+# ---- The training loop -----------------------------------------------------------------------
 def train(args: Args, on_step=None) -> dict:
     """The whole run; on_step(step, record, policy, tokenizer, batch) runs after each step (the toy study's hook)."""
     session = run.Session(args, METHOD)  # every check, then --out locked; a resumed run's state

@@ -92,7 +92,7 @@ def test_a_response_cut_at_the_length_limit_is_graded_like_any_other_and_is_term
     assert [(s["reward"], s["status"]) for s in fresh] == [(1.0, "ok"), (0.0, "no_boxed")]
     for s, values in zip(fresh, ([0.2, 0.5, 0.9], [0.1, 0.3, 0.4])):
         s.update(response_ids=s["response_ids"][:3], behaviour_logp=torch.full((3,), -1.0),
-                 prox_logp=torch.full((3,), -1.0), values=torch.tensor(values))
+                 prox_logp=torch.full((3,), -1.0), values=torch.tensor(values), historical=False)
     cut = remix.compute_advantages(fresh, remix.Args(algo="ppo"))["advantages"]
     finished = remix.compute_advantages([{**s, "truncated": False} for s in fresh], remix.Args(algo="ppo"))
     assert torch.equal(cut, finished["advantages"])
@@ -398,9 +398,10 @@ def long_grpo_batch(length=4000, sigma=0.02, seed=0):
     g = torch.Generator().manual_seed(seed)
     behaviour = -3.0 * torch.rand(length, generator=g)
     samples = [{"response_ids": [0] * length, "behaviour_logp": behaviour,
-                "prox_logp": behaviour + sigma * torch.randn(length, generator=g), "reward": 1.0, "group": 1},
+                "prox_logp": behaviour + sigma * torch.randn(length, generator=g), "reward": 1.0, "group": 1,
+                "historical": True},
                {"response_ids": [0] * 5, "behaviour_logp": torch.zeros(5), "prox_logp": torch.zeros(5),
-                "reward": 0.0, "group": 1}]
+                "reward": 0.0, "group": 1, "historical": True}]
     return samples, 0.5 / (math.sqrt(0.5) + 1e-6)  # A_hat of the right one: (1 - 0.5) / (unbiased std + 1e-6)
 
 
@@ -906,7 +907,8 @@ def test_step_metrics_adv_scale_and_trace_product_by_hand():
     advantages = torch.tensor([[2.0, -2.0, 0.0], [1.0, 0.0, 0.0], [0.5, -0.5, 1.0]])
     trace_c = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.5, 0.8, 1.0]])
     log_ratio = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [math.log(0.5), math.log(0.8), math.log(1.5)]])
-    adv = {"mask": mask, "advantages": advantages, "trace_c": trace_c, "log_ratio": log_ratio}
+    adv = {"mask": mask, "advantages": advantages, "trace_c": trace_c, "log_ratio": log_ratio,
+           "historical": torch.tensor([False, False, True])}
     dist.padding.clear()
     dist.padding.update(tokens=6, slots=8)
     diagnostics = remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=1, vtrace_c_bar=1.0))
@@ -936,7 +938,8 @@ def test_zero_std_groups_counts_fresh_groups_whose_rewards_all_agree():
              for r in (1.0, 1.0, 0.0, 1.0, 0.0, 0.0)]
     history = [{"reward": 1.0, "response_ids": [0], "truncated": False, "reflects": False, "version": 1}] * 2
     mask = torch.ones(8, 1, dtype=torch.bool)
-    adv = {"mask": mask, "advantages": torch.zeros(8, 1), "trace_c": torch.ones(8, 1), "log_ratio": torch.zeros(8, 1)}
+    adv = {"mask": mask, "advantages": torch.zeros(8, 1), "trace_c": torch.ones(8, 1), "log_ratio": torch.zeros(8, 1),
+           "historical": torch.arange(8) >= 6}
     dist.padding.update(tokens=8, slots=8)
     record = metrics.step_metrics(2, fresh, history, remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=2)),
                                   {})

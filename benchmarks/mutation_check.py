@@ -29,8 +29,8 @@ SLEEP_TESTS = ("tests/test_sleep_mode.py::test_training_with_sleep_mode_runs_eve
 # name -> (file, exact original text, mutated text[, the tests that run instead of FAST_TESTS])
 MUTANTS = {
     "mu where pi_k belongs in Mix-PPG (the clip centred at 1)": (
-        "remix.py", "mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights)",
-        "mix_ppg_loss(logp, behaviour, behaviour, adv, mask, args.clip_eps, weights)"),
+        "remix.py", "mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights, historical)",
+        "mix_ppg_loss(logp, behaviour, behaviour, adv, mask, args.clip_eps, weights, historical)"),
     "ref and prox swapped in KL-Convex": (
         "remix.py", "klc = kl_convex_loss(logp, ref, prox, lam, mask)", "klc = kl_convex_loss(logp, prox, ref, lam, mask)"),
     "PPO advantages not whitened": (

@@ -339,7 +339,7 @@ def resume_args(args, saved: dict, done: int):
     saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields}
     defaults, given, typed = type(args)(), dataclasses.asdict(args), typed_flags()
     changed = [k for k, v in given.items() if (k in typed or v != getattr(defaults, k))
-               and k not in ("resume", "steps") and v != saved.get(k)]
+               and k not in ("resume", "steps", "resume_other_method") and v != saved.get(k)]
     moved = {k: given[k] for k in changed if k in MOVABLE}
     changed = [k for k in changed if k not in moved]
     steps_given = args.steps != defaults.steps or "steps" in typed
@@ -350,3 +350,31 @@ def resume_args(args, saved: dict, done: int):
         say("--resume continues with the run's saved arguments; ignored: "
             + ", ".join(f"--{k.replace('_', '-')}" for k in changed))
     return type(args)(**{**saved, **moved, "resume": args.resume, "out": args.resume, "steps": steps})
+
+
+def check_writer(args, state: dict, mine: dict):
+    """--resume by the method that wrote the run, and with every argument it saved known: a run written by another
+    method file (or another version of this one) is refused in one line naming both, unless --resume-other-method;
+    a saved argument this method's Args lacks (a fork's own flag) is refused in one line, never dropped. A run from
+    before runs recorded their method is said so, and resumed. mine: run.Method.record() of the resuming method."""
+    import dataclasses
+
+    theirs, fields = state.get("method"), {f.name for f in dataclasses.fields(args)}
+    if theirs is None:
+        say(f"--resume {args.resume}: the run does not record which method wrote it (it predates the record); "
+            f"resuming it with {mine['file']}")
+    elif not (isinstance(theirs, dict) and isinstance(theirs.get("file"), str)):
+        fail(f"--resume {args.resume}: the run's record of the method that wrote it is damaged ({theirs!r:.80})")
+    elif (theirs["file"], theirs.get("sha256")) != (mine["file"], mine["sha256"]) \
+            and not getattr(args, "resume_other_method", False):
+        def named(record):
+            return f"{record['file']} (sha256 {str(record.get('sha256'))[:12]})"
+
+        how = (f"this {named(mine)} is another version of it" if theirs["file"] == mine["file"] else
+               f"not by {named(mine)}: resume it with {theirs['file']}")
+        fail(f"--resume {args.resume}: the run was written by {named(theirs)}, {how}; or pass --resume-other-method "
+             f"to continue it with {mine['file']}")
+    unknown = [f"--{key.replace('_', '-')} = {value!r}" for key, value in state["args"].items() if key not in fields]
+    if unknown:
+        fail(f"--resume {args.resume}: the run's saved argument {', '.join(unknown)} is no flag of {mine['file']}: "
+             f"resume the run with the method file that wrote it ({(theirs or {}).get('file', 'a fork')})")

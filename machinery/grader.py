@@ -8,7 +8,10 @@ may skip this module: remix.score shows what is graded.
 
 import atexit
 import contextlib
+import hashlib
 import importlib
+import importlib.util
+import inspect
 import os
 import pickle
 import select
@@ -43,50 +46,70 @@ def _recv(fd: int):
 
 
 def _worker_main():
-    """A worker: warm up, then run tasks (a module-level function by name, and its arguments) until its input
+    """A worker: warm up, then run tasks (a module-level function by reference(), and its arguments) until its input
     closes. Any function of an importable module: one pool serves the grader, the training reward and others."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
     out = os.dup(1)
     os.dup2(2, 1)  # prints of the task go to stderr, never into the protocol
     warm = _recv(0)
-    if warm:  # (folder, module, name) of the warm-up function, and its arguments
-        resolve(warm[:3])(*warm[3])
+    if warm:  # reference() of the warm-up function, and its arguments
+        resolve(warm[:4])(*warm[4])
     _send(out, "ready")
     while True:
         try:
-            folder, module, name, args = _recv(0)
+            *ref, args = _recv(0)
         except EOFError:
             return
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-        if module not in sys.modules:  # a first import is no part of the task's time: the parent stops its clock
+        if _module_key(ref[1], ref[3]) not in sys.modules:  # a first import is no part of the task's time
             _send(out, "importing")
-            importlib.import_module(module)
+            resolve(ref)
             _send(out, "imported")
         try:
-            _send(out, ("ok", getattr(importlib.import_module(module), name)(*args)))
+            _send(out, ("ok", resolve(ref)(*args)))
         except Exception as error:  # the caller decides; the worker lives on
             _send(out, ("error", f"{type(error).__name__}: {error}"))
 
 
-def reference(fn) -> tuple[str, str, str]:
+def reference(fn) -> tuple[str, str, str, str | None]:
     """How a worker finds fn when a task is handed it as an argument (the method's answer check, say): its folder,
-    module and name, as resolve() takes them."""
+    module, name and, for a module that is one file (a method: remix.py, remix_mine.py), that file, as resolve()
+    takes them."""
     return _importable(fn)
 
 
-def resolve(ref: tuple[str, str, str]):
-    """The function a reference() names, imported in this process (a worker: the folder first on sys.path)."""
-    folder, module, name = ref
+def _module_key(module: str, path: str | None) -> str:
+    """The name a worker keeps a module under: a module of a package by its own name; a one-file module by its
+    file's path, so two files of one name (a fork's remix.py in another folder) are never taken for each other."""
+    return module if path is None else "_by_path_" + hashlib.sha256(path.encode()).hexdigest()[:16]
+
+
+def resolve(ref: tuple):
+    """The function a reference() names, imported in this process: a one-file module from its file (whatever else
+    of that name sys.path or sys.modules holds), a module of a package by name with its folder first on sys.path."""
+    folder, module, name, path = ref
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    return getattr(importlib.import_module(module), name)
+    key = _module_key(module, path)
+    if path is None:
+        return getattr(importlib.import_module(module), name)
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, path)
+        loaded = sys.modules[key] = importlib.util.module_from_spec(spec)  # before it runs: dataclasses look it up
+        try:
+            spec.loader.exec_module(loaded)
+        except BaseException:
+            del sys.modules[key]
+            raise
+    return getattr(sys.modules[key], name)
 
 
-def _importable(fn) -> tuple[str, str, str]:
-    """(folder, module, name) that a fresh interpreter can import fn from; __main__ maps to its file."""
+def _importable(fn) -> tuple[str, str, str, str | None]:
+    """(folder, module, name, file) that a fresh interpreter can import fn from; __main__ maps to its file; file is
+    None for a module of a package (imported by name) and the module's own file otherwise (imported from it)."""
     module = fn.__module__
-    path = getattr(sys.modules[module], "__file__", None)
+    path = getattr(getattr(inspect.unwrap(fn), "__code__", None), "co_filename", None)  # the file it was made from
+    if not path or not os.path.isfile(path):  # whatever module of its name sys.modules holds is no guide
+        path = getattr(sys.modules.get(module), "__file__", None)
     if module == "__main__":
         if path is None:
             raise ValueError("the worker function must live in an importable file")
@@ -95,7 +118,8 @@ def _importable(fn) -> tuple[str, str, str]:
     folder = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
     for _ in range(depth):
         folder = os.path.dirname(folder)
-    return folder, module, fn.__name__
+    one_file = path is not None and depth == 0 and os.path.basename(path) != "__init__.py"
+    return folder, module, fn.__name__, os.path.abspath(path) if one_file else None
 
 
 class _Worker:

@@ -146,7 +146,8 @@ def collate(samples: list[dict], device=None) -> dict:
     """Left-pad prompts and right-pad responses so response token j sits at column P + j in every row.
     Padding is masked out, so its token id does not matter. A stand-in (dist.STAND_IN) has no response token.
 
-    Returns input_ids/attention_mask/position_ids [N, P + L], response_mask [N, L] and P.
+    Returns input_ids/attention_mask/position_ids [N, P + L], response_mask [N, L], P, and historical [N]: True on
+    the samples replayed from the deque this step (the method's "historical" field; a stand-in's is False).
     """
     prompt_len = max(len(s["prompt_ids"]) for s in samples)
     resp_len = max(len(s["response_ids"]) for s in samples)
@@ -160,8 +161,9 @@ def collate(samples: list[dict], device=None) -> dict:
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P + L] left padding shifts positions
     response_mask = attention_mask[:, prompt_len:].bool()  # [N, L]
     response_mask[[bool(s.get("stand_in")) for s in samples]] = False
+    historical = torch.tensor([bool(s.get("historical")) for s in samples], device=input_ids.device)  # [N]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "response_mask": response_mask, "prompt_len": prompt_len}
+            "response_mask": response_mask, "prompt_len": prompt_len, "historical": historical}
 
 
 def padded(samples: list[dict], key: str, device=None) -> torch.Tensor:

@@ -64,6 +64,18 @@ class Method:
     warm_args: tuple
     reflection_words: tuple  # the self-reflection rate counts responses holding any of them
 
+    def record(self) -> dict:
+        """Which method this is, as a run records it: the file its functions were defined in, by name, and the sha256
+        of its bytes ({"file": "remix.py", "sha256": "9f2c..."}); "sha256" is None for code typed in, with no file."""
+        import hashlib
+        import inspect
+
+        path = inspect.getfile(self.finalize)
+        if not os.path.isfile(path):
+            return {"file": path, "sha256": None}
+        with open(path, "rb") as f:
+            return {"file": os.path.basename(path), "sha256": hashlib.sha256(f.read()).hexdigest()}
+
 
 class Session:
     """train()'s companion. Construction checks everything that can be checked before a file is written (flags,
@@ -83,12 +95,14 @@ class Session:
             say("LOCAL_RANK is set without RANK (not torchrun): this one process uses GPU 0; pick another with "
                 "CUDA_VISIBLE_DEVICES")
         self.checkpoint, self.state, self.optim_state = None, None, None
+        self.written_by = method.record()  # read once, as the code was loaded: the checkpoints say who wrote them
         if args.resume:  # the run's saved arguments and newest readable checkpoint; --steps may extend it
             if os.path.isdir(args.resume):
                 runfolder.lock(args.resume)  # first: a folder another job writes into is not read
             self.checkpoint, self.state, self.optim_state = checkpoints.latest(args.resume,
                                                                                dataclasses.asdict(type(args)()))
             logs.check_logs(args.resume)
+            checkpoints.check_writer(args, self.state, self.written_by)  # the same method, and every saved flag known
             done = self.state["progress"]["step"]
             args = checkpoints.resume_args(args, self.state["args"], done)
             if done >= args.steps:  # nothing to do: say so, exit 0
@@ -247,7 +261,8 @@ class Session:
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoints.save(args.out, step, {**self.models, "reference": self.models["reference"] if reincarnated
                                               else None}, self.tokenizer, self.optimizers,
-                             {"args": dataclasses.asdict(args), "replay": list(self.replay), "inputs": self.inputs,
+                             {"args": dataclasses.asdict(args), "method": self.written_by, "inputs": self.inputs,
+                              "replay": list(self.replay),
                               "progress": {**self.progress, "bad_updates": guard.in_a_row()}}, args.keep_last)
 
 

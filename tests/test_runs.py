@@ -184,6 +184,28 @@ def one_line_exit(capsys, call, message: str):
     assert len(err) == 1 and message in err[0], err
 
 
+def test_a_resume_by_another_method_or_with_an_unknown_saved_flag_is_one_line(capsys):
+    """checkpoints.check_writer: another file, or another version of this one, is refused naming both (their names
+    and sha256 starts) unless --resume-other-method; a saved flag the resuming Args lacks is refused naming it and
+    its value, with that flag too; the same method, and a run from before the record, pass."""
+    mine, theirs = {"file": "remix.py", "sha256": "a" * 64}, {"file": "remix_mine.py", "sha256": "b" * 64}
+    saved, args = dataclasses.asdict(remix.Args()), remix.Args(resume="runs/x")
+    one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"method": theirs, "args": saved}, mine),
+                  "was written by remix_mine.py (sha256 bbbbbbbbbbbb), not by remix.py (sha256 aaaaaaaaaaaa): "
+                  "resume it with remix_mine.py; or pass --resume-other-method")
+    one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"method": {**mine, "sha256": "c" * 64},
+                                                                  "args": saved}, mine), "another version of it")
+    other = remix.Args(resume="runs/x", resume_other_method=True)
+    checkpoints.check_writer(other, {"method": theirs, "args": saved}, mine)
+    checkpoints.check_writer(args, {"method": mine, "args": saved}, mine)
+    checkpoints.check_writer(args, {"args": saved}, mine)
+    assert "does not record which method wrote it" in capsys.readouterr().out
+    for who in (args, other):
+        one_line_exit(capsys, lambda: checkpoints.check_writer(who, {"method": mine, "args": {**saved, "clip_eps_high":
+                                                                                              0.28}}, mine),
+                      "saved argument --clip-eps-high = 0.28 is no flag of remix.py")
+
+
 def test_datasets_load_from_parquet_and_json_lists_and_name_what_is_wrong(tmp_path, capsys):
     import pandas as pd
 
@@ -446,6 +468,30 @@ def test_a_worker_function_must_be_importable(monkeypatch):
     exec("def typed_in(x):\n    return x", main.__dict__)
     with pytest.raises(ValueError, match="must live in an importable file"):
         grader.map_with_deadline(main.typed_in, [(1,)], 1, 10.0, None)
+
+
+def test_workers_run_each_function_from_its_own_file_whatever_its_modules_name(tmp_path):
+    """A fork named remix.py in another folder, loaded under the module name the repository's remix.py already holds in
+    this process, a second one likewise, and remix_mine.py beside them: the same workers run each task from the file
+    its function came from, never another module of the same name (by sys.path or sys.modules)."""
+    import importlib.util
+
+    functions = []
+    for folder, file in (("a", "remix.py"), ("b", "remix.py"), ("b", "remix_mine.py")):
+        path = tmp_path / folder / file
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"def who(x):\n    return {folder + '/' + file!r}, x\n")
+        spec = importlib.util.spec_from_file_location("remix", path)  # the name sys.modules gives the repository's
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        functions.append(module.who)
+    assert sys.modules["remix"] is remix
+    for _ in range(2):  # the second round in workers that have imported all three
+        assert [grader.map_with_deadline(fn, [(1,)], 2, 20.0, None)[0] for fn in functions] == \
+            [("a/remix.py", 1), ("b/remix.py", 1), ("b/remix_mine.py", 1)]
+    assert grader.resolve(grader.reference(remix.final_answer)) is not remix.final_answer  # by file: its own copy
+    assert grader.resolve(grader.reference(remix.final_answer))("\\boxed{7}") == "7"
+    grader.close_pool()
 
 
 @pytest.mark.slow
@@ -1197,6 +1243,8 @@ FORKS = {
     "dr_grpo": "losses/policy_loss",
     "sequence_mean": "losses/policy_loss",
     "format_reward": "reward/mean",
+    "clip_higher_replayed_only": "losses/clipfrac",
+    "length_penalty": "reward/mean",
 }
 GRPO_ONLY = ("grpo_informative_groups", "dr_grpo")  # they change GRPO's group advantage or its groups
 
@@ -1265,6 +1313,18 @@ def test_every_fork_applies_runs_saves_resumes_and_changes_what_it_should(tiny_m
     assert [r["batch/fresh"] for r in grpo["p_schedule"][:2]] == [6, 8]
     assert [r["batch/fresh"] for r in grpo["unforked"][:2]] == [6, 6]
     assert found["dr_grpo"]["budget"] == args["max_response_tokens"]  # the run's budget, not Args' 8192
+    for algo in ("grpo", "ppo"):
+        base, wider, longer = (metrics[name, algo] for name in ("unforked", "clip_higher_replayed_only", "length_penalty"))
+        # the wider clip touches replayed samples only: step 1 has none, and is the unforked step to the bit
+        assert {k: v for k, v in wider[0].items() if not k.startswith("perf/")} == \
+            {k: v for k, v in base[0].items() if not k.startswith("perf/")}, algo
+        assert wider[1]["batch/historical"] > 0 and wider[1]["losses/clipfrac"] < base[1]["losses/clipfrac"], algo
+        # the length penalty: 0.001 a token and 0.1 more when cut, by hand from the logged means; the answer check as is
+        for row, plain in zip(longer, base):
+            assert row["reward/length"] == pytest.approx(-0.001 * row["response/length_mean"]
+                                                         - 0.1 * row["response/truncated"], abs=1e-9), algo
+            assert row["reward/mean"] == pytest.approx(row["reward/correct"] + row["reward/length"], abs=1e-9)
+        assert [r["reward/correct"] for r in longer] == [r["reward/correct"] for r in base], algo
 
 
 def test_no_module_of_machinery_imports_the_method_or_finds_it_by_name():
@@ -1304,6 +1364,87 @@ def test_a_fork_under_another_name_trains_evaluates_and_grades_with_its_own_func
         assert len(samples) == 2 and all(s["correct"] and s["extracted"] == "forked" for s in samples)
     assert {json.loads(line)["extracted"] for line in (out / "completions.jsonl").open()} == {"forked"}
     assert remix.grade_response("no answer", "1") == (0.0, "no_boxed") and remix.final_answer("x") is None
+
+
+def load_file(path: Path, name: str):
+    """A method file imported from its path under a module name of its own (as eval.py and the forks test do)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_run_resumes_only_with_the_method_that_wrote_it_and_drops_no_saved_flag(tiny_model, train_file, tmp_path,
+                                                                                   capsys):
+    """A run records the method file that wrote it (name and sha256). The DAPO fork's run (a flag of its own,
+    --clip-eps-high) resumed by remix.py: refused in one line naming both files; with --resume-other-method, refused in
+    one line naming the fork's flag and its value, which remix.py would drop; by the fork: it continues, flag kept. A
+    renamed copy of remix.py's run continues under remix.py with --resume-other-method, which records remix.py."""
+    import hashlib
+
+    fork_path = forked_file("dapo_clip_higher", tmp_path)
+    fork = load_file(fork_path, "remix_dapo_clip_higher")
+    tiny = dict(model=tiny_model, dataset=train_file, prompts_per_step=4, max_response_tokens=16, mini_batch_prompts=2,
+                sampler="hf", save_every=1, seed=3, eval_every=0, log_completions=0, algo="grpo", group_size=2)
+    out = tmp_path / "fork-run"
+    fork.train(fork.Args(**tiny, steps=1, out=str(out)))
+    state = torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)
+    assert state["method"] == {"file": "remix_dapo_clip_higher.py",
+                               "sha256": hashlib.sha256(fork_path.read_bytes()).hexdigest()}
+    capsys.readouterr()
+    one_line_exit(capsys, lambda: remix.train(remix.Args(resume=str(out), steps=2)),
+                  f"was written by remix_dapo_clip_higher.py (sha256 {state['method']['sha256'][:12]}), not by remix.py")
+    one_line_exit(capsys, lambda: remix.train(remix.Args(resume=str(out), steps=2, resume_other_method=True)),
+                  "saved argument --clip-eps-high = 0.28 is no flag of remix.py")
+    assert not (out / "checkpoint-2").exists()
+    fork.train(fork.Args(resume=str(out), steps=2))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["args"]["clip_eps_high"] == 0.28
+    copy = load_file(shutil.copy(HERE / "remix.py", tmp_path / "remix_copy.py"), "remix_copy")
+    out = tmp_path / "copy-run"
+    copy.train(copy.Args(**tiny, steps=1, out=str(out)))
+    capsys.readouterr()
+    one_line_exit(capsys, lambda: remix.train(remix.Args(resume=str(out), steps=2)), "not by remix.py")
+    remix.train(remix.Args(resume=str(out), steps=2, resume_other_method=True))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["method"]["file"] == "remix.py"
+
+
+@pytest.mark.slow
+def test_eval_grades_with_the_method_it_is_named_and_says_when_another_trained_the_checkpoint(tiny_model, train_file,
+                                                                                             tmp_path):
+    """A fork whose answer check calls every answer right, in a folder of its own: trained one step, its checkpoint
+    scores 100 on two benchmarks in eval.py --method remix_mine.py (its prompt and check, in the grading workers too)
+    and 0 with the default remix.py, which says in one line that another method trained it; the same fork saved as
+    remix.py in another folder (the module name of eval.py's own remix.py) scores 100 with --method too."""
+    source = (HERE / "remix.py").read_text()
+    head = "def grade_response(response: str, answer: str) -> tuple[float, str]:\n"
+    assert source.count(head) == 1
+    source = source.replace(head, f"{head}    return 1.0, 'ok'  # fork: every answer right\n")
+    for folder, name in (("mine", "remix_mine.py"), ("clash", "remix.py")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text(source)
+    fork = load_file(tmp_path / "mine" / "remix_mine.py", "remix_mine")
+    run_folder = tmp_path / "run"
+    fork.train(fork.Args(model=tiny_model, dataset=train_file, prompts_per_step=2, max_response_tokens=8, steps=1,
+                         sampler="hf", save_every=1, eval_every=0, log_completions=0, out=str(run_folder)))
+    model = run_folder / "checkpoint-1"
+    for method, score, said in ((tmp_path / "mine" / "remix_mine.py", 100.0, False), (None, 0.0, True),
+                                (tmp_path / "clash" / "remix.py", 100.0, True)):
+        out = tmp_path / f"eval-{score}-{said}"
+        done = subprocess.run([sys.executable, str(HERE / "eval.py"), "--model", str(model), "--benchmarks", "aime24",
+                               "amc23", "--limit", "2", "--sampler", "hf", "--max-tokens", "8", "--out", str(out),
+                               *(["--method", str(method)] if method else [])], capture_output=True, text=True,
+                              timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())["greedy"]
+        assert [summary[b]["pass@1"] for b in ("aime24", "amc23")] == [score, score], (method, summary)
+        lines = [line for line in done.stdout.splitlines() if "was trained by remix_mine.py" in line]
+        assert len(lines) == said, done.stdout[-3000:]
+        assert not said or f"evaluated with {'remix.py' if method is None else method.name}" in lines[0]
 
 
 @pytest.mark.long

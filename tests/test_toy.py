@@ -101,3 +101,37 @@ def test_a_short_toy_run_gives_exactly_the_committed_curve(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "curve.json").read_text()) == json.loads((ROOT / "docs" / "toy" /
                                                                              "pinned_curve.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_users_fork_trains_beside_remix_py_at_the_same_seeds_and_both_curves_are_drawn(tmp_path):
+    """toy.py --method in small (a base of 20 supervised steps, 40 held-out problems, 2 steps of ReMix-GRPO, one
+    seed): the length-penalty fork of docs/forks, saved as remix_mine.py, and remix.py train from the same base at
+    the same seed. Step 1 samples the same responses (the same length), and the fork's reward is remix.py's less
+    0.001 a token and 0.1 for each cut response; both curves, the table and the plot are written."""
+    import json
+    import shutil
+    import subprocess
+
+    from tests.common import ROOT
+
+    work = tmp_path / "fork"
+    work.mkdir()
+    shutil.copy(ROOT / "remix.py", work / "remix.py")
+    subprocess.run(["git", "apply", str(ROOT / "docs" / "forks" / "length_penalty.diff")], cwd=work, check=True)
+    fork = shutil.copy(work / "remix.py", tmp_path / "remix_mine.py")
+    cache = toy.build_toy(tmp_path / "cache", supervised_steps=20, test=40)
+    cli = toy.ToyArgs(out=str(tmp_path / "out"), cache=str(cache), method=str(fork), configs=("remix-grpo",), seeds=1,
+                      steps=2, reincarnate_step=1, eval_every=1, workers=1, lr=1e-3)
+    (tmp_path / "out").mkdir()
+    table = toy.compare_method(cli, str(cache))
+    label = toy.method_label(fork)
+    assert label.startswith("remix_mine-") and f"| remix-grpo |" in table
+    record = json.loads((tmp_path / "out" / "method.json").read_text())
+    runs = {r["config"]: r for r in record["runs"]}
+    plain, mine = runs["remix-grpo"], runs[f"remix-grpo+{label}"]
+    assert [p["step"] for p in plain["curve"]] == [p["step"] for p in mine["curve"]] == [0, 1, 2]
+    assert plain["per_step"][0]["length"] == mine["per_step"][0]["length"]
+    cost = plain["per_step"][0]["reward"] - mine["per_step"][0]["reward"]  # 0.001 a token, 0.1 more a cut response
+    assert 0.001 * plain["per_step"][0]["length"] - 1e-9 <= cost <= 0.001 * plain["per_step"][0]["length"] + 0.1 + 1e-9
+    assert (tmp_path / "out" / "method.png").stat().st_size > 0 and (tmp_path / "out" / "method.md").exists()

@@ -5,6 +5,7 @@
     python toy/toy.py --study    # the study of docs/toy: 200 runs, about 3 hours on 2 cores
     python toy/toy.py --out docs/toy --replot   # the tables and plots again from the committed results.json
     python toy/toy.py --pin docs/toy/pinned_curve.json   # the short run tests/test_toy.py compares bit for bit
+    python toy/toy.py --method remix_mine.py   # a fork beside remix.py: ReMix-GRPO and ReMix-PPO, both curves
 
 The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.py's answer check (evaluation.math_reward).
 The base model is a tiny Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed
@@ -135,6 +136,9 @@ class ToyArgs:
     """rounds of the TRL step-time comparison after the short run (0 skips it)"""
     pin: str | None = None
     """run only the short pinned run (a small base, 4 steps of ReMix-GRPO, seed 1) and write its curve here"""
+    method: str | None = None
+    """a fork of remix.py (remix_mine.py): train --configs (default remix-grpo remix-ppo) with it and with remix.py at
+    the same seeds, and write both curves and the rollouts-to-target table (method.md, method.png) into --out"""
     jobs: tuple[str, ...] = ()
     """(internal: how the workers are started) runs for one worker process, as config@seed@lr@steps@T"""
 
@@ -262,7 +266,7 @@ def run_args(config: str, seed: int, lr: float, steps: int, T: int, toy: str, fo
                   max_response_tokens=MAX_TOKENS, temperature=1.0, actor_lr=lr, critic_lr=1e-3, sampler="hf",
                   save_every=0, grader_workers=1, max_prompt_tokens=256, overwrite=True, eval_every=0,
                   log_completions=0)
-    overrides = {k: v for k, v in CONFIGS[config].items() if k != "fork"}
+    overrides = {k: v for k, v in config_of(config).items() if k != "fork"}
     return remix.Args(**{**shared, **overrides}, model=str(Path(toy) / "base"),
                       dataset=str(Path(toy) / "train.jsonl"), out=str(folder), seed=seed)
 
@@ -276,18 +280,41 @@ def zero_spread_share(samples: list[dict]) -> float | None:
     return sum(len(rewards) == 1 for rewards in groups.values()) / len(groups) if groups else None
 
 
-def fork_project(fork: str, cache: Path) -> Path:
-    """A copy of remix.py with docs/forks/FORK.diff applied, and the machinery, for the jobs of a configuration."""
+def config_of(name: str) -> dict:
+    """A configuration's remix.Args overrides; NAME+LABEL is configuration NAME run by the method of --method."""
+    return CONFIGS[name.split("+")[0]]
+
+
+def project(method: Path, folder: Path, diff: Path | None = None) -> Path:
+    """folder/remix.py, a copy of the method file (with a docs/forks diff applied), and the machinery: what the jobs
+    of a configuration import as remix (TOY_PROJECT)."""
     import shutil
 
-    folder = cache / "forks" / fork
     if not (folder / "remix.py").exists():
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        shutil.copy(ROOT / "remix.py", folder / "remix.py")
+        shutil.copy(method, folder / "remix.py")
         shutil.copytree(ROOT / "machinery", folder / "machinery", ignore=shutil.ignore_patterns("__pycache__"))
-        subprocess.run(["git", "apply", str(ROOT / "docs" / "forks" / f"{fork}.diff")], cwd=folder, check=True)
+        if diff is not None:
+            subprocess.run(["git", "apply", str(diff)], cwd=folder, check=True)
     return folder
+
+
+def fork_project(fork: str, cache: Path) -> Path:
+    """A copy of remix.py with docs/forks/FORK.diff applied, and the machinery, for the jobs of a configuration."""
+    return project(ROOT / "remix.py", cache / "forks" / fork, ROOT / "docs" / "forks" / f"{fork}.diff")
+
+
+def method_label(method: Path) -> str:
+    """The name a user's method file runs under: its stem and the start of its sha256 (an edited file is new)."""
+    import hashlib
+
+    return f"{method.stem}-{hashlib.sha256(method.read_bytes()).hexdigest()[:8]}"
+
+
+def method_project(method: Path, cache: Path) -> Path:
+    """A user's method file (a fork of remix.py under any name) as remix.py, and the machinery."""
+    return project(method, cache / "methods" / method_label(method))
 
 
 def bucket_of(length: int) -> str:
@@ -350,15 +377,23 @@ def run_jobs(jobs: list[str], cli: ToyArgs, toy: str) -> list[dict]:
     """The jobs over --workers processes with one core each; each process runs its share one after another,
     so imports and the grader worker are paid once per process. Finished runs are read back, not repeated."""
     todo = [j for j in jobs if not (run_dir(cli.out, j) / "curve.json").exists()]
-    for fork in dict.fromkeys(CONFIGS[j.split("@")[0]].get("fork") for j in todo):  # one pool per project
-        run_pool([j for j in todo if CONFIGS[j.split("@")[0]].get("fork") == fork], cli, toy, fork)
+
+    def project_of(job: str) -> Path | None:  # what the job imports as remix: remix.py, a docs/forks fork, --method
+        config = job.split("@")[0]
+        if "+" in config:
+            return method_project(Path(cli.method), Path(toy))
+        fork = CONFIGS[config].get("fork")
+        return fork_project(fork, Path(toy)) if fork else None
+
+    projects = [project_of(j) for j in todo]
+    for folder in dict.fromkeys(projects):  # one pool per project
+        run_pool([j for j, p in zip(todo, projects) if p == folder], cli, toy, folder)
     return [json.loads((run_dir(cli.out, j) / "curve.json").read_text()) for j in jobs]
 
 
-def run_pool(todo: list[str], cli: ToyArgs, toy: str, fork: str | None):
-    """The jobs of one project (remix.py, or a fork of it) over --workers processes."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               **({"TOY_PROJECT": str(fork_project(fork, Path(toy)))} if fork else {}))
+def run_pool(todo: list[str], cli: ToyArgs, toy: str, folder: Path | None):
+    """The jobs of one project (remix.py, a fork of it in folder) over --workers processes."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **({"TOY_PROJECT": str(folder)} if folder else {}))
 
     def worker(share):
         if not share:
@@ -716,18 +751,19 @@ def plot(results: list[dict], summary: dict, out: Path, cli: ToyArgs):
                out / "length_vs_step.png", vline=cli.reincarnate_step)
 
 
+def never_as_null(x):
+    """x with every infinity (a target never reached) as None, for JSON."""
+    if isinstance(x, dict):
+        return {k: never_as_null(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [never_as_null(v) for v in x]
+    return None if x == math.inf else x
+
+
 def write_outputs(results: list[dict], cli: ToyArgs, out: Path, cpu_capability: str | None = None) -> str:
     """results.json (a target never reached is null), results.md and the plots; returns the tables. cpu_capability:
     torch's CPU kernels the runs ran on (default this machine's)."""
     summary = summarize(results, cli)
-
-    def never_as_null(x):
-        if isinstance(x, dict):
-            return {k: never_as_null(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [never_as_null(v) for v in x]
-        return None if x == math.inf else x
-
     import torch
 
     record = {"settings": dataclasses.asdict(cli), "cpu_capability": cpu_capability or torch.backends.cpu.get_cpu_capability(),
@@ -737,6 +773,74 @@ def write_outputs(results: list[dict], cli: ToyArgs, out: Path, cpu_capability: 
     (out / "results.md").write_text(table)
     plot(results, summary, out, cli)
     return table
+
+
+# ----------------------------------------------------------------------------------------------
+# A user's method beside remix.py (--method): the same configurations and seeds, both curves, the rollouts to target
+# ----------------------------------------------------------------------------------------------
+METHOD_CONFIGS = ("remix-grpo", "remix-ppo")  # --method's default configurations
+
+
+def method_comparison(results: list[dict], configs: list[str], label: str) -> dict:
+    """For each configuration, the method (runs of CONFIG+LABEL) against remix.py (runs of CONFIG) at the same seeds:
+    final accuracies, and the rollouts (and tokens) each needs to reach remix.py's median final accuracy (compare(),
+    with remix.py in the place of the baseline)."""
+    table = {}
+    for config in configs:
+        mine = [r for r in results if r["config"] == f"{config}+{label}"]
+        theirs = [r for r in results if r["config"] == config]
+        table[config] = compare(mine, theirs)
+    return table
+
+
+def method_markdown(table: dict, label: str) -> str:
+    lines = [f"Method {label} against remix.py, same configurations and seeds (medians over seeds, bootstrap 90% "
+             f"intervals; never = a seed that does not reach the target)", "",
+             "| configuration | final accuracy, remix.py | final accuracy, method | target: remix.py's final | "
+             "rollouts to it, remix.py | rollouts to it, method |", "|---|---|---|---|---|---|"]
+    for config, c in table.items():
+        lines.append(f"| {config} | {fmt(c['on_policy_final_accuracy'])} | {fmt(c['remix_final_accuracy'])} | "
+                     f"{c['target_final']:.3f} | {fmt(c['on_policy_rollouts_to_final'], 0)} | "
+                     f"{fmt(c['remix_rollouts_to_final'], 0)} |")
+    return "\n".join(lines) + "\n"
+
+
+def method_plot(results: list[dict], configs: list[str], label: str, path: Path):
+    """Held-out accuracy against rollouts: each seed's curve, remix.py's and the method's, one panel a configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4.5), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        for name, color, shown in ((config, "tab:blue", "remix.py"), (f"{config}+{label}", "tab:red", label)):
+            for i, r in enumerate(r for r in results if r["config"] == name):
+                ax.plot([p["rollouts"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], color=color,
+                        alpha=0.7, marker=".", label=shown if i == 0 else None)
+        ax.set_title(config)
+    finish(fig, axes[0], ["held-out Pass@1"] * len(configs), "rollouts", path)
+
+
+def compare_method(cli: ToyArgs, toy: str) -> str:
+    """--method: the configurations with remix.py and with the method file, at the same seeds and settings; writes
+    method.json, method.md and method.png into --out and returns the table."""
+    method = Path(cli.method).resolve()
+    label = method_label(method)
+    configs = list(METHOD_CONFIGS if cli.configs == SHORT else cli.configs)
+    seeds = range(1, (cli.seeds or 3) + 1)
+    jobs = [job_name(name, s, cli.lr, cli.steps, cli.reincarnate_step) for name in
+            configs + [f"{c}+{label}" for c in configs] for s in seeds]
+    results = run_jobs(jobs, cli, toy)
+    table = method_comparison(results, configs, label)
+    out = Path(cli.out)
+    record = {"method": str(method), "label": label, "settings": dataclasses.asdict(cli), "comparison": table,
+              "runs": results}
+    (out / "method.json").write_text(json.dumps(never_as_null(record), indent=1, allow_nan=False))
+    text = method_markdown(table, label)
+    (out / "method.md").write_text(text)
+    method_plot(results, configs, label, out / "method.png")
+    return text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -807,6 +911,10 @@ def main(cli: ToyArgs):
     if unknown:
         print(f"toy: error: unknown configuration {unknown}; valid: {list(CONFIGS)}", file=sys.stderr)
         raise SystemExit(2)
+    if cli.method and not (cli.method.endswith(".py") and Path(cli.method).is_file()):
+        print(f"toy: error: --method {cli.method!r} is not a Python file; give a fork of remix.py (remix_mine.py)",
+              file=sys.stderr)
+        raise SystemExit(2)
     os.environ["HF_HUB_OFFLINE"] = "1"
     out = Path(cli.out)
     if cli.replot:  # the tables and plots from the committed records, with the settings they were run with
@@ -825,6 +933,10 @@ def main(cli: ToyArgs):
     print(f"toy: base model {json.loads((Path(toy) / 'meta.json').read_text())}, torch's CPU kernels: "
           f"{torch.backends.cpu.get_cpu_capability()}", flush=True)
     seeds = range(1, (cli.seeds or (5 if cli.study else 3)) + 1)
+    if cli.method:
+        print(compare_method(cli, toy))
+        print(f"toy: done in {time.perf_counter() - start:.0f} s; both curves in {out / 'method.png'}")
+        return
     if cli.study:
         four = ("remix-grpo", "grpo", "remix-ppo", "ppo")
         results = run_jobs([job_name(c, s, lr, cli.steps, cli.reincarnate_step) for lr in STUDY_LRS for c in four

@@ -1,0 +1,650 @@
+"""ReMix: Reincarnating Mix-policy Proximal Policy Gradient, the method in one file.
+
+Liang et al., "Squeeze the Soaked Sponge: Efficient Off-policy Reinforcement Finetuning for Large Language Model",
+arXiv 2507.06892. Calls into the package it runs on, machinery/, name their module (dist., run., ...): skip them.
+
+    replay = deque(maxlen=N)                                      the last N policies' fresh batches
+    for k = 1, 2, ...:
+        p, m = (p, m) if k <= T else (0, 1)                       stage
+        fresh = G responses of pi_k to each of (1-p)*B prompts    sample      (vLLM, one seed per request)
+        reward = [last \\boxed{} == gold]  (math-verify)           score       (training_reward)
+        mu, ref = log pi_k, log pi_ref of each fresh token        behaviour_and_reference
+        history = p*B prompts' groups, whole, from replay         draw_history
+        replay.append(fresh)
+        log pi_k of history; V(s_t) of all (PPO)                  prox_and_values
+        A = V-trace GAE, c_t = min(c_bar, pi_k/mu) (PPO)          compute_advantages  (vtrace_advantages)
+            or (R - mean_group R) / std_group R (GRPO)                                (group_advantages)
+        m passes, mini-batches: Mix-PPG (Eq. 4) - entropy         update      (mix_ppg_loss, kl_convex_loss,
+            + beta * KL-Convex (Eq. 5, lambda(t)), value loss                  policy_objective)
+        push pi_{k+1}'s weights into vLLM                         engines.push_weights
+        if k == T: pi_ref <- pi_T, empty replay                   reincarnate (Eq. 6)
+"""
+
+if __name__ == "__main__":  # first: a Ctrl-C while torch imports (seconds) ends in one line too
+    from machinery import startup
+    startup.one_line_interrupts("remix")
+
+import collections
+import functools
+import math
+import random
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import torch
+
+from machinery import dist, engines, flags, grader, guard, metrics, models, notation, run
+
+
+@dataclass
+class Args:
+    # ---- the method (paper Sec. 3-4 and the authors' config) ----
+    algo: Literal["ppo", "grpo"] = "ppo"
+    """PPO (critic, V-trace GAE) or GRPO (group-normalised outcome advantage, no critic)"""
+    steps: int = 350
+    """number of training steps (rollout batches), >= 1; with --resume, a larger value extends a run"""
+    prompts_per_step: Annotated[int | None, flags.hint("(default: 256 for PPO, 128 for GRPO)")] = None
+    """B, >= 1: prompts per step over all processes (fresh plus historical), each with group_size responses"""
+    group_size: Annotated[int | None, flags.hint("(default: 1 for PPO, 8 for GRPO)")] = None
+    """responses per prompt, >= 1 (>= 2 for GRPO)"""
+    off_policy_p: float = 0.4
+    """p, in [0, 1): the share of each batch's prompts drawn from the replay deque during the mix stage"""
+    window: int = 2
+    """N, >= 1: how many previous policies' batches the replay deque keeps"""
+    utd: int = 2
+    """m, >= 1: update-to-data ratio, passes over each batch in the mix stage (1 = the 'no higher UTD' ablation)"""
+    reincarnate_step: int = 100
+    """T, >= 0: the last mix-stage step; after it the reference becomes pi_T and training is on-policy"""
+    reincarnation: bool = True
+    """switch to on-policy training after T (--no-reincarnation is the paper's ablation)"""
+    kl_convex: bool = True
+    """Eq. 5 schedule for lambda(t) (--no-kl-convex fixes lambda = 1: plain KL to the reference)"""
+    on_policy: bool = False
+    """plain on-policy PPO/GRPO, the baseline: p = 0, m = 1, no reincarnation, lambda fixed at 1"""
+    kl_convex_start: int = 50
+    """>= 0: the step after which lambda(t) starts to fall (Eq. 5: 50)"""
+    kl_convex_every: int = 10
+    """>= 1: lambda(t) falls by 0.1 every this many steps (Eq. 5: 10)"""
+    kl_beta: float = 0.001
+    """beta, >= 0: the coefficient of the KL-Convex term (0 loads no reference model)"""
+    ent_coef: float = 0.001
+    """>= 0: coefficient of the entropy bonus"""
+    clip_eps: float = 0.2
+    """eps, in (0, 1): the clip range of Mix-PPG around pi_k/mu"""
+    value_clip: float = 0.5
+    """> 0: clip range of the value loss"""
+    vtrace_c_bar: float = 1.0
+    """c_bar, > 0: the truncation of the V-trace coefficients"""
+    grpo_vtrace: bool = False
+    """GRPO: scale A_hat by the product of later trace coefficients (vanishes on long responses; Decision 4)"""
+    gamma: float = 1.0
+    """discount factor, in (0, 1]"""
+    gae_lambda: float = 1.0
+    """the lambda of GAE / V-trace, in [0, 1]"""
+    actor_lr: float = 1e-6
+    """> 0: policy learning rate (constant)"""
+    critic_lr: float = 1e-5
+    """> 0: critic learning rate (constant)"""
+    weight_decay: float = 0.01
+    """>= 0: AdamW weight decay of both optimizers (verl's default)"""
+    max_grad_norm: float = 1.0
+    """> 0: gradient-norm clip of both models"""
+    mini_batch_prompts: int = 32
+    """>= 1: prompts whose responses form one mini-batch (one optimizer step), over all processes"""
+    temperature: float = 1.0
+    """> 0: sampling temperature for training rollouts (log-probs use the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling, in (0, 1]; keep 1.0, truncated sampling biases the importance ratios"""
+    max_prompt_tokens: int = 1024
+    """>= 1: longer prompts are skipped"""
+    max_response_tokens: int = 8192
+    """>= 1: generation budget per response"""
+    prompt_suffix: str = " Let's think step by step and output the final answer within \\boxed{}."
+    """appended to every problem (the paper's prompt)"""
+    system_prompt: str | None = None
+    """a system turn before the problem (the paper has none)"""
+    sampler_is_cap: float | None = None
+    """C > 0: weight each fresh token's Mix-PPG term by min(pi_trainer / pi_vllm, C); off (Decision 18)"""
+    # ---- the run: model and data, devices and engines, output, evaluation ----
+    model: str = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+    """hub id or local folder of the base policy (also the reference and, for PPO, the critic's trunk)"""
+    dataset: str = "agentica-org/DeepScaleR-Preview-Dataset"
+    """hub id, or a local .jsonl/.json/.parquet file of math problems"""
+    problem_key: str = "problem"
+    """the dataset column holding the problem text"""
+    answer_key: str = "answer"
+    """the dataset column holding the gold answer"""
+    max_tokens_per_micro_batch: int = 16384
+    """>= 1: padded tokens per forward/backward; responses of similar length share one, a longer one runs alone"""
+    sampler: Literal["vllm", "hf"] = "vllm"
+    """vllm (default) or transformers' generate, for machines without vLLM"""
+    vllm_gpu_memory_utilization: float = 0.35
+    """in (0, 1): GPU memory share vLLM may take beside the trainer (docs/memory.md has the arithmetic)"""
+    vllm_sleep: bool = True
+    """GPU only: vLLM sleeps (level 2: weights and KV cache freed, no host copy) from each sample to its push"""
+    vllm_tp: int = 1
+    """>= 1: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
+    precision: Annotated[Literal["bf16", "fp32"] | None, flags.hint("(default: bf16 on GPU, fp32 on CPU)")] = None
+    """dtype of every forward pass (policy, critic, frozen reference, vLLM); weights and optimizer state stay fp32"""
+    gradient_checkpointing: Annotated[bool | None, flags.hint("(default: on GPU)")] = None
+    """recompute activations in the backward pass of both models (saves memory on long responses)"""
+    grader_workers: int = 2
+    """>= 1: processes (per rank) that grade answers with math-verify"""
+    grade_timeout: float = 20.0
+    """> 0: seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
+    seed: int = 1
+    """in [0, 2147483647]: seed of python, numpy, torch and of every vLLM request"""
+    dist_timeout: float = 60.0
+    """> 0: minutes a collective may wait for the other ranks (they wait while rank 0 writes a checkpoint)"""
+    out: str = "runs/remix"
+    """output folder: metrics.jsonl, TensorBoard events, checkpoints, evaluations, completions"""
+    overwrite: bool = False
+    """replace the logs and checkpoints of an earlier run in --out"""
+    save_every: int = 50
+    """>= 0: save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
+    keep_last: int = 3
+    """>= 0: keep only the newest this many checkpoints (0 keeps all)"""
+    resume: str | None = None
+    """continue the run in this folder from its newest checkpoint, with the run's saved arguments"""
+    track: bool = False
+    """log to Weights & Biases as well"""
+    eval_every: int = 25
+    """>= 0: greedy Pass@1 on --eval-benchmarks before step 1, every this many steps and at the end; 0 never"""
+    eval_benchmarks: tuple[str, ...] = ("all",)
+    """benchmarks evaluated during training: aime24 amc23 amc83 math500 minerva olympiadbench, or all (the five)"""
+    eval_limit: int | None = None
+    """>= 1: evaluate only the first this many problems of each benchmark"""
+    eval_max_tokens: int | None = None
+    """>= 1: generation budget of an evaluation response (default: --max-response-tokens)"""
+    eval_data_dir: str | None = None
+    """folder of the benchmark files (default: the repository's data/benchmarks)"""
+    log_completions: int = 4
+    """>= 0: responses of each step written to OUT/completions.jsonl (and wandb/TensorBoard); 0 none"""
+
+
+def finalize_args(args: Args) -> Args:
+    """Fill the algorithm- and device-dependent defaults; flags.check_args then rejects bad values."""
+    if args.on_policy:  # nothing of ReMix is left: no replay, no extra passes, no switch, KL to the base only
+        args.off_policy_p, args.utd, args.reincarnation, args.kl_convex = 0.0, 1, False, False
+    if args.prompts_per_step is None:
+        args.prompts_per_step = 256 if args.algo == "ppo" else 128
+    if args.group_size is None:
+        args.group_size = 1 if args.algo == "ppo" else 8
+    if args.precision is None:
+        args.precision = "bf16" if torch.cuda.is_available() else "fp32"
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# The prompt and the reward: answer verification with math-verify (spec Sec. 7); METHOD hands them to machinery
+# ----------------------------------------------------------------------------------------------
+SELF_REFLECTION_WORDS = ("verify", "re-examine", "double-check", "why", "root cause", "validate", "abduct", "question",
+                         "check", "but", "wait", "confirm", "scrutinize", "analyze", "investigate", "probe")
+
+
+def build_prompt(tokenizer, problem: str, suffix: str = Args.prompt_suffix, system: str | None = None) -> list[int]:
+    """One user turn through the chat template with the generation prompt; plain text without one (base models)."""
+    if not tokenizer.chat_template:
+        return tokenizer((system + "\n\n" if system else "") + problem + suffix).input_ids
+    turns = [{"role": "system", "content": system}] if system else []
+    turns.append({"role": "user", "content": problem + suffix})
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids  # the template already holds any BOS
+
+
+def final_answer(response: str) -> str | None:
+    """The content of the last balanced \\boxed{...} (or \\fbox) of the text after the first </think>, or of the
+    whole text without one: 'so \\boxed{\\frac{1}{2}}.' -> '\\frac{1}{2}'."""
+    return notation.last_boxed(response.partition("</think>")[2] if "</think>" in response else response)
+
+
+@functools.lru_cache(maxsize=200_000)
+def parse_boxed(expression: str):
+    """math-verify's parse of one answer, first in notation it reads (1.39e9, x', \\dfrac, ...); raises on failure."""
+    from math_verify import parse
+
+    return parse("\\boxed{" + notation.rewrite(expression) + "}", raise_on_error=True)
+
+
+def grade_response(response: str, answer: str) -> tuple[float, str]:
+    """The answer check, what eval.py's Pass@1 counts: (1.0 if right else 0.0, ok | no_boxed | unparsable | error).
+    Runs in a grader worker's main thread, where math-verify's alarm-based timeouts work."""
+    from math_verify import errors, verify
+
+    predicted = final_answer(response)
+    if predicted is None:
+        return 0.0, "no_boxed"
+    try:
+        gold, pred = parse_boxed(answer), parse_boxed(predicted)
+        if not gold or not pred:
+            return 0.0, "unparsable"
+        return float(verify(gold, pred, raise_on_error=True)), "ok"  # gold first: the order matters
+    except (Exception, errors.TimeoutException):  # math-verify's timeout is a BaseException: wrong, and counted
+        return 0.0, "error"
+
+
+def training_reward(response: str, answer: str) -> tuple[dict[str, float], str]:
+    """The training reward by its parts (their sum; each logged as reward/NAME) and the answer check's status. ReMix's
+    is correctness alone; a fork may add parts (a format bonus) and eval.py's answer check stays as it is."""
+    correct, status = grade_response(response, answer)
+    return {"correct": correct}, status
+
+
+METHOD = run.Method(finalize=finalize_args, build_prompt=build_prompt, final_answer=final_answer, warm=parse_boxed,
+                    warm_args=("1",), grade_response=grade_response, reflection_words=SELF_REFLECTION_WORDS)
+
+
+# ==============================================================================================
+# ALGO LOGIC: the paper's equations, each a pure function over [N, L] tensors and masks (bool or 0/1)
+#   paper          code                       what
+#   mu             behaviour_logp             the policy that sampled a response: pi_{k-i}, i steps ago
+#   pi_k           prox_logp                  the policy at the start of step k (frozen for the step)
+#   pi_theta       logp                       the policy being optimised
+#   pi_ref         ref_logp                   the KL anchor: the base model, pi_T after reincarnation
+#   B, G           prompts_per_step, group_size   prompts per step (fresh + historical), responses per prompt
+#   p, N, m, T     off_policy_p, window, utd, reincarnate_step
+#   r, c           r = pi_theta/mu, centre = pi_k/mu (Eq. 4, by ratio()); c_t = min(c_bar, pi_k/mu) (V-trace)
+# Shapes: [N, L] = [responses, response tokens]; [V] the vocabulary; [H] the hidden size (samples: ONE TRAINING STEP)
+# ==============================================================================================
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(a_t|s_t) and the entropy of pi(.|s_t), [n, 2], from the logits [n, V] and the tokens [n] sampled there:
+    a log-softmax at the sampling temperature (vLLM samples from softmax(logits / T)), gathered."""
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [n, V]
+    entropy = -(log_probs.exp() * log_probs).sum(-1)  # [n]
+    return torch.stack([log_probs.gather(-1, tokens[:, None])[:, 0], entropy], dim=-1)  # [n, 2]
+
+
+def aggregation(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How every loss term is averaged (Decision 3), in this one place: weights per token [N, L] and the size they
+    sum to. The token mean: weight 1 per token, size = tokens (no per-response length term); update() divides by
+    the whole mini-batch's size. (A sequence mean: mask / length and rows; a constant normaliser: mask, rows * L.)"""
+    weights = mask.float() / mask.float().sum(-1, keepdim=True).clamp(min=1)  # [N, L] each response weighs 1
+    return weights, (mask.sum(-1) > 0).float().sum()  # the mean over responses of their token means
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The aggregated mean of x over the mask: sum of weight * x / size (aggregation)."""
+    weights, size = aggregation(mask)
+    return (torch.where(weights > 0, x, 0.0) * weights).sum() / size.clamp(min=1e-12)
+
+
+def ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """e^log_ratio, clamped to +-20 first as verl does (Decision 15): finite where pi/mu overflows float32 (e^89)."""
+    return torch.exp(log_ratio.clamp(-20.0, 20.0))
+
+
+def kl_convex_lambda(t: int, start: int = 50, every: int = 10) -> float:
+    """Eq. 5 schedule: 1.0 up to step `start` (50), then 0.1 lower every `every` (10) steps, never below 0.5:
+    t = 50 -> 1.0, 51 -> 0.9, 60 -> 0.9, 61 -> 0.8, 91 -> 0.5, 500 -> 0.5."""
+    return max(1.0 - 0.1 * math.ceil(max(t - start, 0) / every), 0.5)
+
+
+def k3_kl(logp: torch.Tensor, anchor_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || anchor) from sampled tokens: e^(q-p) - (q-p) - 1 >= 0."""
+    log_ratio = (anchor_logp - logp).clamp(-20.0, 20.0)  # [N, L], clamped as ratio() is
+    return torch.exp(log_ratio) - log_ratio - 1.0  # [N, L]
+
+
+def kl_convex_loss(logp, ref_logp, prox_logp, lam: float, mask) -> torch.Tensor:
+    """Eq. 5: lambda * KL(pi_theta || pi_ref) + (1 - lambda) * KL(pi_theta || pi_k), token mean. The paper's
+    "precedent model" is pi_k, whose log-probs the step has already (Decision 5)."""
+    per_token = lam * k3_kl(logp, ref_logp) + (1.0 - lam) * k3_kl(logp, prox_logp)  # [N, L]
+    return masked_mean(per_token, mask)
+
+
+def truncated_trace(prox_logp, behaviour_logp, mask, c_bar: float = 1.0) -> torch.Tensor:
+    """V-trace coefficients c_t = min(c_bar, pi_k(a_t|s_t) / mu(a_t|s_t)); exactly 1 on fresh samples."""
+    return torch.where(mask.bool(), ratio(prox_logp - behaviour_logp).clamp(max=c_bar), 1.0)  # [N, L]
+
+
+def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: float = 1.0):
+    """V-trace-corrected GAE (paper Sec. 3, after GePPO), backward over each response's tokens:
+        delta_t    = r_t + gamma * V(s_{t+1}) - V(s_t)          (V after the last token = 0)
+        A_t        = delta_t + gamma * lam * c_{t+1} * A_{t+1}
+        V_target_t = c_t * A_t + V(s_t)
+    The target is V-trace's v_t with rho = c: A_t = sum_{j>=t} (gamma lam)^(j-t) (prod_{i=t+1..j} c_i) delta_j,
+    so v_t - V(s_t) = sum_j ... (prod_{i=t..j} c_i) delta_j = c_t * A_t.
+    Example, one response of 3 tokens, reward 1 at the end, V = (0.5, 0.6, 0.7), c = (1, 0.5, 0.8),
+    gamma = lam = 1: A_3 = 1 - 0.7 = 0.3; A_2 = (0.7 - 0.6) + 0.8 * 0.3 = 0.34;
+    A_1 = (0.6 - 0.5) + 0.5 * 0.34 = 0.27. With every c = 1 this is GAE(gamma, lam).
+    All inputs [N, L]; mask marks response tokens (a prefix of each row). No whitening here."""
+    mask = mask.bool()
+    batch, length = rewards.shape
+    advantages = torch.zeros_like(rewards)  # [N, L]
+    next_adv = torch.zeros(batch, dtype=rewards.dtype, device=rewards.device)  # [N]
+    next_value = torch.zeros_like(next_adv)  # [N]
+    next_c = torch.ones_like(next_adv)  # [N]
+    for t in reversed(range(length)):
+        live = mask[:, t]  # [N]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # [N]
+        adv = delta + gamma * lam * next_c * next_adv  # [N]
+        advantages[:, t] = torch.where(live, adv, 0.0)
+        # past a response's end the "next" state is terminal: zero value, zero advantage
+        next_adv = torch.where(live, adv, 0.0)
+        next_value = torch.where(live, values[:, t], 0.0)
+        next_c = torch.where(live, trace_c[:, t], 1.0)
+    value_targets = torch.where(mask, trace_c * advantages + values, 0.0)  # [N, L]
+    return advantages, value_targets
+
+
+def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """GRPO outcome advantage A_hat = (R - mean_group R) / (std_group R + 1e-6), unbiased std: scores (1, 0, 0, 1),
+    groups (0, 0, 1, 1) -> (0.7071, -0.7071, -0.7071, 0.7071). A group of one, or of equal scores, gets 0."""
+    advantages = torch.zeros_like(scores)  # [N]
+    for gid in torch.unique(group_ids):
+        members = group_ids == gid  # [N]
+        group = scores[members]
+        if group.numel() > 1:
+            advantages[members] = (group - group.mean()) / (group.std(unbiased=True) + 1e-6)
+    return advantages
+
+
+def grpo_token_advantages(a_hat, trace_c, mask, product: bool = False) -> torch.Tensor:
+    """GRPO's advantage per response token [N, L] from A_hat [N]. Default: A_hat on every token; the
+    Mix-PPG ratio is the off-policy correction. product (--grpo-vtrace): the V-trace recursion with V = 0,
+    A_t = (prod_{i>t} c_i) * A_hat, which vanishes over long responses (Decision 4)."""
+    if not product:
+        return torch.where(mask.bool(), a_hat[:, None], 0.0)  # [N, L]
+    last = mask.long().sum(-1) - 1  # [N] index of each response's last token
+    rewards = torch.zeros_like(trace_c).scatter_(1, last[:, None], a_hat[:, None].to(trace_c.dtype))  # [N, L]
+    return vtrace_advantages(rewards, torch.zeros_like(trace_c), trace_c, mask)[0]
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda t: t) -> torch.Tensor:
+    """Zero mean, unit variance over the masked tokens of the whole batch (PPO advantages); with several
+    processes the moments are those of the global batch."""
+    mask = mask.bool()
+    total = sum_over_ranks(torch.stack([torch.where(mask, x, 0.0).sum(), mask.sum().to(x.dtype)]))
+    mean = total[0] / total[1].clamp(min=1)
+    var = sum_over_ranks(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / total[1].clamp(min=1)
+    return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
+
+
+def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2, weights=None):
+    """Eq. 4, Mix-PPG (GePPO's clipped objective), token mean:
+        L = - mean[ min( r * A,  clip(r, c - eps, c + eps) * A ) ],  r = pi_theta / mu,  c = pi_k / mu
+    The ratio is taken against each sample's behaviour policy mu and the clip interval is centred at
+    c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip. clipfrac counts the tokens where
+    the clip changes the objective (A > 0 above c + eps, A < 0 below c - eps), as verl and TRL do.
+    weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term: sampler_is_weight."""
+    r = ratio(logp - behaviour_logp)  # [N, L]
+    centre = ratio(prox_logp - behaviour_logp).detach()  # [N, L]  c, a constant of the step
+    unclipped = r * advantages  # [N, L]
+    clipped = torch.clamp(r, centre - eps, centre + eps) * advantages  # [N, L]
+    per_token = torch.minimum(unclipped, clipped)  # [N, L]
+    loss = -masked_mean(per_token if weights is None else per_token * weights, mask)
+    with torch.no_grad():
+        cut = ((advantages > 0) & (r > centre + eps)) | ((advantages < 0) & (r < centre - eps))  # [N, L]
+        approx_kl = k3_kl(prox_logp, logp)  # [N, L] CleanRL's approx_kl, (r - 1) - log r with r = pi_theta / pi_k
+        stats = {"clipfrac": masked_mean(cut.float(), mask), "approx_kl": masked_mean(approx_kl, mask)}
+    return loss, stats
+
+
+def sampler_is_weight(trainer_logp, sampler_logp, cap: float) -> torch.Tensor:
+    """Not in the paper (Decision 18, TRL's vLLM correction): min(pi_trainer / pi_sampler, cap) per token, for the
+    sampler's kernels' gap from the trainer. trainer -1.0, sampler -1.5: e^0.5 = 1.65; trainer -0.2, cap 2: 2."""
+    return ratio(trainer_logp - sampler_logp).clamp(max=cap)  # [L]
+
+
+def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.5) -> torch.Tensor:
+    """PPO's clipped value loss: 0.5 * mean max((V - target)^2, (clip(V, V_old +- clip) - target)^2)."""
+    clipped = old_values + torch.clamp(values - old_values, -clip, clip)  # [N, L]
+    return 0.5 * masked_mean(torch.maximum((values - value_targets) ** 2, (clipped - value_targets) ** 2), mask)
+
+
+def policy_objective(mix_ppg, entropy, kl_convex, ent_coef: float, beta: float) -> torch.Tensor:
+    """Eq. 6, the policy's loss: L_mix - ent_coef * entropy + beta * L_klc (after T, on fresh samples: PPO's)."""
+    return mix_ppg - ent_coef * entropy + beta * kl_convex
+
+
+# ======================================= end of ALGO LOGIC ====================================
+
+
+# ----------------------------------------------------------------------------------------------
+# The replay deque, the two stages and reincarnation; log pi(a_t|s_t) and V(s_t) of every response token
+# ----------------------------------------------------------------------------------------------
+def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
+    """n_groups whole groups (Decision 2: group statistics never mix fresh and old responses), drawn uniformly without
+    replacement from the last N policies' batches pooled; fewer if the deque holds fewer (none at step 1)."""
+    stored = [group for batch in replay for group in batch]
+    return random.sample(stored, min(n_groups, len(stored)))
+
+
+def stage(step: int, args: Args) -> tuple[bool, float, int]:
+    """Mix stage (p, m) through step T; after it, and in --on-policy runs, p = 0 and m = 1 (Eq. 6, Decision 6)."""
+    mixing = not args.on_policy and (not args.reincarnation or step <= args.reincarnate_step)
+    return mixing, (args.off_policy_p if mixing else 0.0), (args.utd if mixing else 1)
+
+
+def reincarnate(policy, reference, replay: collections.deque):
+    """Reincarnation at T (Eq. 6): pi_ref <- pi_T, the deque emptied; optimizers, critic and lambda(t) carry on."""
+    if reference is not None:  # none without a KL term (--kl-beta 0)
+        reference.load_state_dict(policy.state_dict())
+    replay.clear()
+
+
+def policy_forward(model, batch: dict, temperature: float):
+    """log pi(a_t|s_t) and the entropy of pi(.|s_t) for every response token, [N, L] each: token_logprobs over the
+    output layer's logits at the positions that predict the response tokens, a chunk of tokens at a time
+    (models.chunked_logprobs: [tokens, V] logits never exist whole), in the model's dtype (--precision)."""
+    start, tokens = batch["prompt_len"], batch["input_ids"][:, batch["prompt_len"]:]  # [N, L] the response tokens
+    def forward():
+        hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                  position_ids=batch["position_ids"], use_cache=False).last_hidden_state  # [N, P+L, H]
+        hidden = hidden[:, start - 1 : -1].reshape(tokens.numel(), -1)  # [N * L, H]: position P + t - 1 predicts t
+        weight = model.get_output_embeddings().weight  # [V, H]
+        return models.chunked_logprobs(token_logprobs, hidden, weight, tokens.reshape(-1), temperature)  # [N * L, 2]
+    out = dist.as_forward(model, forward).view(*tokens.shape, 2)  # FSDP2 gathers the root's weights for it
+    return out[..., 0], out[..., 1]
+
+
+def critic_forward(critic, batch: dict) -> torch.Tensor:
+    """V(s_t) of each response token t, read at the position that predicts t (V(s_0) at the last prompt token)."""
+    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                 position_ids=batch["position_ids"]).logits  # [N, P + L, 1]
+    return out[:, batch["prompt_len"] - 1 : -1, 0].float()  # [N, L]
+
+
+# ==============================================================================================
+# ONE TRAINING STEP, phase by phase in the paper's order, each a function a fork can replace, run by every rank on
+# its share (dist.all_reduce/all_gather combine). A sample is one response, a dict whose fields the phases fill in:
+#   phase               fields ([L] = one value per response token)                      in the deque
+#   1 sample            prompt_ids, response_ids, answer, version (its policy's step k),  stored
+#                       group, truncated, sampler_logp [L] (vLLM's, None with hf)
+#   2 score             reward, reward_parts, status, reflects                           stored
+#   3 behaviour/ref     behaviour_logp [L] (mu), ref_logp [L], sampler_weight [L]        stored
+#   4 prox/values       prox_logp [L] (pi_k), values [L] (PPO)                           recomputed
+#   5 advantages        advantages [L], value_targets [L] (PPO)                          recomputed
+# ==============================================================================================
+RECOMPUTED = ("prox_logp", "values", "advantages", "value_targets")  # 4, 5: a historical sample's anew each step
+
+
+def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list[list[dict]]:
+    """1. group_size responses of pi_k to each of this rank's fresh prompts (a group). Each vLLM request has its own
+    seed, from the prompt's index in the step: a resumed run, and the ranks of one engine, draw the same tokens."""
+    mine, engine, first, offset = dist.prompt_shares(prompts, args.vllm_tp)  # this rank's prompts; its engine's
+    sampling = (args.temperature, args.top_p, args.max_response_tokens)
+    if llm is not None:
+        seeds = [engines.request_seed(args.seed, step, first + i, args.group_size) for i in range(len(engine))]
+        groups = engines.vllm_generate(llm, [p.ids for p in engine], args.group_size, seeds, *sampling)[offset:]
+    else:
+        groups = engines.hf_generate(policy, tokenizer, [p.ids for p in mine], args.group_size, *sampling,
+                                     args.mini_batch_prompts)
+    # a group id unique over the run and the ranks: the prompt's index in the step (a step has under a million)
+    return [[{"prompt_ids": prompt.ids, "response_ids": response or [tokenizer.pad_token_id], "answer": prompt.answer,
+              "version": step, "group": step * 1_000_000 + first + offset + i, "truncated": finish == "length",
+              "sampler_logp": None if logps is None or not response else logps}
+             for response, finish, logps in group]
+            for i, (prompt, group) in enumerate(zip(mine, groups))]
+
+
+def score(fresh: list[dict], tokenizer, args: Args):
+    """2. training_reward of each response, graded in worker processes with a deadline (past it: 0, counted)."""
+    texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in fresh]
+    grades = grader.map_with_deadline(training_reward, [(text, s["answer"]) for text, s in zip(texts, fresh)],
+                                      args.grader_workers, args.grade_timeout, ({}, "timeout"), parse_boxed, ("1",))
+    for s, text, (parts, status) in zip(fresh, texts, grades):
+        s["reward"], s["reward_parts"], s["status"] = sum(parts.values(), 0.0), parts, status
+        s["reflects"] = any(word in text.lower() for word in SELF_REFLECTION_WORDS)
+
+
+def logp_of(args: Args):
+    """models.per_token's function for log pi(a_t|s_t) at the run's temperature."""
+    return lambda model, batch: policy_forward(model, batch, args.temperature)[0]
+
+
+def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args):
+    """3. Store with each fresh sample mu, its log-probs recomputed by the trainer (Decision 1), and pi_ref's: fixed
+    until reincarnation empties the deque, so they stay exact as long as the sample can be replayed (Decision 16)."""
+    for key, model in (("behaviour_logp", policy), ("ref_logp", reference)):
+        if model is not None:  # no reference without a KL term
+            for s, logp in zip(fresh, models.per_token(logp_of(args), model, fresh, args.max_tokens_per_micro_batch)):
+                s[key] = logp  # [L_i]
+    if args.sampler_is_cap is not None:  # stored with the sample: a replayed sample keeps its weight
+        for s in fresh:
+            s["sampler_weight"] = sampler_is_weight(s["behaviour_logp"], s["sampler_logp"], args.sampler_is_cap)
+
+
+def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args: Args):
+    """4. log pi_k on the historical samples (on fresh ones pi_k = mu), and the critic's values on all."""
+    for s in fresh:
+        s["prox_logp"] = s["behaviour_logp"]
+    for s, logp in zip(history, models.per_token(logp_of(args), policy, history, args.max_tokens_per_micro_batch)):
+        s["prox_logp"] = logp
+    if critic is not None:
+        for s, v in zip(fresh + history, models.per_token(critic_forward, critic, fresh + history,
+                                                          args.max_tokens_per_micro_batch)):
+            s["values"] = v
+
+
+def compute_advantages(batch: list[dict], args: Args) -> dict:
+    """5. Advantages, recomputed every step: V-trace GAE whitened over the global batch (PPO), or A_hat (GRPO)."""
+    mask = models.response_mask(batch)  # [N, L]
+    behaviour, prox = models.padded(batch, "behaviour_logp", "cpu"), models.padded(batch, "prox_logp", "cpu")  # [N, L]
+    trace_c = truncated_trace(prox, behaviour, mask, args.vtrace_c_bar)  # [N, L]
+    scores = torch.tensor([s["reward"] for s in batch])  # [N]
+    if args.algo == "ppo":
+        values = models.padded(batch, "values", "cpu")  # [N, L]
+        last = mask.sum(-1) - 1  # [N] each response's last token carries the outcome reward
+        rewards = torch.zeros_like(values).scatter_(1, last[:, None], scores[:, None])  # [N, L]
+        advantages, targets = vtrace_advantages(rewards, values, trace_c, mask, args.gamma, args.gae_lambda)
+        advantages = whiten(advantages, mask, dist.all_reduce)  # [N, L]
+        for s, target in zip(batch, targets):
+            s["value_targets"] = target[: len(s["response_ids"])]
+    else:
+        a_hat = group_advantages(scores, torch.tensor([s["group"] for s in batch]))  # [N]
+        advantages = grpo_token_advantages(a_hat, trace_c, mask, args.grpo_vtrace)  # [N, L]
+    for s, adv in zip(batch, advantages):
+        s["advantages"] = adv[: len(s["response_ids"])]
+    return {"mask": mask, "trace_c": trace_c, "log_ratio": prox - behaviour, "advantages": advantages}
+
+
+def offpolicy_diagnostics(adv: dict, fresh: list[dict], args: Args) -> dict[str, torch.Tensor]:
+    """This rank's off-policy diagnostics (docs/metrics.md), read off the layout: fresh first, groups whole."""
+    n, mask, abs_adv = len(fresh), adv["mask"], adv["advantages"].abs()  # [N, L]
+    log_ratio = adv["log_ratio"][n:][mask[n:]]  # [historical tokens] log(pi_k / mu)
+    rewards = torch.tensor([s["reward"] for s in fresh]).view(-1, args.group_size)  # [fresh groups, G]
+    return {"log_ratio": log_ratio, "trace_cut": log_ratio.exp() > args.vtrace_c_bar,  # c_t < pi_k/mu
+            "trace_prod": adv["trace_c"][n:].log().sum(-1).exp(),  # [historical responses] prod over t of c_t
+            "abs_adv_historical": abs_adv[n:][mask[n:]], "abs_adv_fresh": abs_adv[:n][mask[:n]],  # [tokens]
+            "zero_spread": rewards.std(-1) == 0 if args.group_size > 1 else torch.zeros(0, dtype=torch.bool)}
+
+
+def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd: int, step: int, args: Args) -> dict:
+    """6. utd passes (Decision 13), each a new random order of the batch cut into mini-batches of mini_batch_prompts
+    prompts' responses, one optimizer step each on Eq. 6 and the value loss. Each term is the token mean over the
+    mini-batch, all ranks: a micro-batch's mean times its token share, times the world size (FSDP averages ranks)."""
+    nets, stats = [net for net in (policy, critic) if net is not None], collections.defaultdict(list)
+    for net in nets:  # training mode: transformers checkpoints activations only then (no dropout here)
+        net.train()
+    for epoch in range(utd):
+        for rows in dist.mini_batches(batch, args.mini_batch_prompts * args.group_size, args.seed, step, epoch):
+            size = dist.all_reduce(aggregation(models.response_mask(rows))[1])  # the mini-batch's, all ranks
+            terms = collections.defaultdict(float)  # each logged term, summed with its micro-batch's share
+            for micro in dist.micro_batches(rows, args.max_tokens_per_micro_batch):
+                mb = models.collate(micro)
+                mask = mb["response_mask"]  # [n, l]
+                share = aggregation(mask)[1] / size  # the micro-batch's part of the mini-batch's token mean
+                behaviour, prox, adv = (models.padded(micro, k) for k in ("behaviour_logp", "prox_logp", "advantages"))
+                weights = models.padded(micro, "sampler_weight") if args.sampler_is_cap is not None else None
+                logp, entropy = policy_forward(policy, mb, args.temperature)  # [n, l] log pi_theta, H(pi_theta)
+                pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights)
+                entropy = masked_mean(entropy, mask)
+                kl = {"losses/policy_loss": pg_loss, "losses/entropy": entropy, "losses/clipfrac": pg_stats["clipfrac"],
+                      "losses/approx_kl": pg_stats["approx_kl"], "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
+                klc = torch.zeros((), device=logp.device)
+                if args.kl_beta:
+                    ref = models.padded(micro, "ref_logp")  # [n, l] pi_ref
+                    klc = kl_convex_loss(logp, ref, prox, lam, mask)
+                    kl.update({"losses/kl_convex": klc, "kl/ref": masked_mean(k3_kl(logp, ref), mask)})
+                (policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta) * share * dist.world()).backward()
+                if critic is not None:
+                    value_loss = clipped_value_loss(critic_forward(critic, mb), models.padded(micro, "values"),
+                                                    models.padded(micro, "value_targets"), mask, args.value_clip)
+                    (value_loss * share * dist.world()).backward()  # FSDP's mean over ranks: times the world
+                    kl["losses/value_loss"] = value_loss
+                for name, term in kl.items():
+                    terms[name] += float(term.detach()) * float(share)  # summed over the ranks by guard
+            norms = [dist.clip_grad_norm(net, args.max_grad_norm) for net in nets]  # each model's global norm
+            if guard.finite_update(terms, norms, stats, step):  # else skipped; 3 in a row stop the run
+                for optim in optimizers:
+                    optim.step()
+            for optim in optimizers:  # no gradients held through the push, generation and no-grad passes
+                optim.zero_grad(set_to_none=True)
+    for net in nets:
+        net.eval()
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop
+# ----------------------------------------------------------------------------------------------
+def train(args: Args, on_step=None) -> dict:
+    """The whole run; on_step(step, record, policy, tokenizer, batch) runs after each step (the toy study's hook)."""
+    session = run.Session(args, METHOD)  # every check, then --out locked; a resumed run's state
+    args, tokenizer = session.args, session.tokenizer
+    policy, reference, critic = models.load(args, session.checkpoint)  # pi_theta, pi_ref, V
+    optimizers = [torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=args.weight_decay)
+                  for net, lr in ((policy, args.actor_lr), (critic, args.critic_lr)) if net is not None]
+    llm = engines.start(args, session.max_model_len) if args.sampler == "vllm" else None  # vLLM, in this process
+    replay = collections.deque(maxlen=args.window)  # the last N policies' fresh batches
+    session.restore(policy, reference, critic, optimizers, replay, llm)  # a resumed run's weights, deque, RNGs
+    with session:  # Ctrl-C, SIGTERM: one line naming the last checkpoint; the evaluation at step 0
+        for step in session.steps():
+            mixing, p, utd = stage(step, args)
+            n_fresh = round((1.0 - p) * args.prompts_per_step)  # prompts over all ranks; the rest from the deque
+            # 1. sample G responses from pi_k to each of (1-p)*B fresh prompts, and 2. score them
+            groups = sample(llm, policy, tokenizer, session.next_prompts(n_fresh), step, args)
+            fresh = [s for group in groups for s in group]
+            score(fresh, tokenizer, args)
+            engines.sleep(llm)  # GPU sleep mode: the engine's memory is the trainer's until the push
+            session.lap("gen")
+            # 3. mu and pi_ref's log-probs; 4. the whole groups of p*B historical prompts (Decision 17), pi_k, values
+            behaviour_and_reference(fresh, policy, reference, args)
+            history = [s for g in draw_history(replay, dist.per_rank(args.prompts_per_step - n_fresh)) for s in g]
+            if p > 0:  # the deque stores fresh batches, while they can be replayed, and drops the oldest
+                replay.append(groups)
+            batch = fresh + history
+            prox_and_values(fresh, history, policy, critic, args)
+            # 5. advantages, 6. utd passes of Mix-PPG + KL-Convex updates
+            diagnostics = offpolicy_diagnostics(compute_advantages(batch, args), fresh, args)  # and what it met
+            lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every) if args.kl_convex else 1.0
+            stats = update(batch, policy, critic, optimizers, lam, utd, step, args)
+            session.lap("trainer")
+            # 7. push pi_{k+1} into the sampler; 8. reincarnation at T
+            if llm is not None:
+                engines.push_weights(llm, policy)  # and wake it: the evaluation and the next sample need it
+            session.lap("weight_sync")
+            if args.reincarnation and step == args.reincarnate_step:
+                reincarnate(policy, reference, replay)
+            # 9. log; evaluate every --eval-every steps; save every --save-every steps
+            record = {"step": step, "phase": "mix" if mixing else "on-policy", "kl_convex/lambda": lam,
+                      "train/utd": utd, "replay/deque_size": len(replay),
+                      **metrics.step_metrics(step, fresh, history, diagnostics, stats)}
+            session.end_step(record, fresh, history, RECOMPUTED, args.reincarnation and step >= args.reincarnate_step,
+                             on_step)  # on_step(step, record, policy, tokenizer, batch), then fields dropped, saved
+    return dict(policy=policy, reference=reference, critic=critic, replay=replay, llm=llm, tokenizer=tokenizer)
+
+
+if __name__ == "__main__":
+    run.main(lambda: train(run.cli(Args)))
