@@ -179,8 +179,12 @@ def test_eval_into_a_model_folder_is_refused_without_leaving_a_lock(tiny_model, 
                                                                        out=str(folder), overwrite=overwrite)))
         assert "holds a model" in line, line
         assert sorted(p.name for p in folder.iterdir()) == before
-    line = refused(capsys, lambda: eval_cli.main(eval_cli.EvalArgs(regrade=str(ROOT / "README.md"), out=str(folder))))
-    assert sorted(p.name for p in folder.iterdir()) == before
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(json.dumps({"benchmark": "aime24", "id": 0, "answers": ["1"], "response": "\\boxed{1}"}) + "\n")
+    for overwrite in (False, True):  # a regrade too
+        line = refused(capsys, lambda: eval_cli.main(eval_cli.EvalArgs(regrade=str(samples), out=str(folder),
+                                                                       overwrite=overwrite)))
+        assert "holds a model" in line and sorted(p.name for p in folder.iterdir()) == before, line
 
 
 # ----------------------------------------------------------------------------------------------
