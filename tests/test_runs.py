@@ -1243,7 +1243,7 @@ FORKS = {
     "dr_grpo": "losses/policy_loss",
     "sequence_mean": "losses/policy_loss",
     "format_reward": "reward/mean",
-    "clip_higher_replayed_only": "losses/clipfrac",
+    "clip_higher_replayed_only": "losses/policy_loss",  # at step 2, where it replays (PPO's clipfrac stays)
     "length_penalty": "reward/mean",
 }
 GRPO_ONLY = ("grpo_informative_groups", "dr_grpo")  # they change GRPO's group advantage or its groups
@@ -1316,7 +1316,7 @@ def test_every_fork_applies_runs_saves_resumes_and_changes_what_it_should(tiny_m
     for algo in ("grpo", "ppo"):
         base, wider, longer = (metrics[name, algo] for name in ("unforked", "clip_higher_replayed_only", "length_penalty"))
         # the wider clip touches replayed samples only: step 1 has none, and its losses are the unforked step's to the
-        # bit; step 2 replays (the loop above: its clipfrac differs)
+        # bit; step 2 replays (the loop above: its policy loss differs)
         same = ("losses/", "reward/", "offpolicy/", "kl/")
         assert {k: v for k, v in wider[0].items() if k.startswith(same)} == \
             {k: v for k, v in base[0].items() if k.startswith(same)}, algo
