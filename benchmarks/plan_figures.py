@@ -2,7 +2,8 @@
 (the code a run's plan uses) from the models' configs in benchmarks/configs/ (DeepSeek-R1-Distill-Qwen-1.5B and -7B:
 Qwen2, shapes from their config.json):
 
-    python benchmarks/plan_figures.py > /tmp/figures.md
+    python benchmarks/plan_figures.py > figures.md                                # the tables
+    python benchmarks/plan_figures.py CONFIG --gpus N --gpu-gb G [remix.py's flags]   # one config's plan, JSON
 
 Every run's defaults (350 steps, --save-every 50, --keep-last 3, bf16, gradient checkpointing, 16,384-token
 micro-batches, --vllm-gpu-memory-utilization 0.35, the engine asleep during updates); one process per GPU."""
@@ -61,5 +62,26 @@ def main():
                           f"{gb(rows[0]['memory']['update'])} | {generation} | {fits} | {gb(rows[0]['host'])} |")
 
 
+def one(argv: list[str]):
+    """The plan's figures for one model's config (a config.json file, a model folder or a hub id) on N GPUs of G GB
+    each, with remix.py's flags, as JSON."""
+    import argparse
+    import json
+
+    from machinery import run
+
+    parser = argparse.ArgumentParser(prog="python benchmarks/plan_figures.py")
+    parser.add_argument("config")
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--gpu-gb", type=float, default=80.0)
+    known, rest = parser.parse_known_args(argv)
+    sys.argv = ["remix"] + rest
+    args = remix.finalize_args(run.cli(remix.Args))
+    if "--precision" not in rest:
+        args.precision = "bf16"  # the figures are a GPU's
+    figures = plan.figures(plan.shape_of(known.config), args, known.gpus, True, known.gpu_gb * 1e9, args.offload)
+    print(json.dumps(figures, indent=1, default=float))
+
+
 if __name__ == "__main__":
-    main()
+    one(sys.argv[1:]) if len(sys.argv) > 1 else main()

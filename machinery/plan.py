@@ -48,10 +48,11 @@ def shape_of(source: str) -> Shape:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)  # never code from the folder
         with torch.device("meta"):
-            policy = AutoModelForCausalLM.from_config(config)
-            critic = AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(source, num_labels=1))
+            policy = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+            critic = AutoModelForTokenClassification.from_config(
+                AutoConfig.from_pretrained(source, num_labels=1, trust_remote_code=False), trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(str(error).splitlines()[0][:200] if str(error) else type(error).__name__) from None
     text = config.get_text_config()
@@ -332,31 +333,3 @@ def write(plan: dict | None, out: str):
 
         safe = json.loads(json.dumps(plan, default=float).replace("Infinity", "null"))
         runfolder.replace_file(os.path.join(out, "plan.json"), [json.dumps(safe, indent=1) + "\n"])
-
-
-def main(argv: list[str] | None = None):
-    """python -m machinery.plan CONFIG [--gpus N] [--gpu-gb G] [--offload] [remix.py's flags]: the plan's figures for
-    a model's config (a config.json file, a model folder or a hub id) on N GPUs of G GB each, as JSON."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m machinery.plan")
-    parser.add_argument("config")
-    parser.add_argument("--gpus", type=int, default=1)
-    parser.add_argument("--gpu-gb", type=float, default=80.0)
-    known, rest = parser.parse_known_args(argv)
-    sys.path.insert(0, os.getcwd())
-    import remix
-
-    sys.argv = ["remix"] + rest
-    from machinery import run
-
-    args = remix.finalize_args(run.cli(remix.Args))
-    if args.precision == "fp32" and "--precision" not in rest:
-        args.precision = "bf16"  # the figures are a GPU's
-    plan = figures(shape_of(known.config), args, known.gpus, True, known.gpu_gb * GB, getattr(args, "offload", False))
-    print(json.dumps(plan, indent=1, default=float))
-
-
-if __name__ == "__main__":
-    main()

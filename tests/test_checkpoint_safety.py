@@ -11,6 +11,7 @@ context is shorter than the run needs, and a hub generation config that transfor
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,14 +95,16 @@ def test_a_kill_while_reducing_leaves_no_resumable_folder_and_the_next_save_fini
     (out / "checkpoint-1" / "model.safetensors").write_bytes(b"the policy")
     real_replace, moved = os.replace, []
 
-    def killed_midway(src, dst):
+    def killed_midway(src, dst, **fds):
         if moved:
             raise KeyboardInterrupt  # the process dies here
         moved.append(os.path.basename(src))
-        return real_replace(src, dst)
+        return real_replace(src, dst, **fds)
 
-    monkeypatch.setattr(os, "replace", lambda src, dst: killed_midway(src, dst) if ".trash-" in str(dst)
-                        else real_replace(src, dst))
+    # runfolder.replace renames within folder descriptors: the names are bare, the trash is the target's folder
+    monkeypatch.setattr(os, "replace", lambda src, dst, **fds: killed_midway(src, dst, **fds)
+                        if re.match(r"\d+-", os.path.basename(str(dst)))  # reduce's moves: N-NAME in the trash
+                        else real_replace(src, dst, **fds))
     with pytest.raises(KeyboardInterrupt):
         save(out, 2, keep_last=3)
     monkeypatch.undo()
