@@ -37,6 +37,25 @@ def tiny_args(model, data, out, **overrides):
     return remix.Args(**base)
 
 
+def refused_in_one_line(program: str, model, data, out, capsys) -> str:
+    """remix.py (a tiny run) or eval.py on a model folder it must refuse: exit 2, one line on stderr, and nothing at
+    out (no folder, no lock); returns the line."""
+    import pytest
+
+    import eval as eval_cli
+    import remix
+
+    with pytest.raises(SystemExit) as exit_info:
+        if program == "remix":
+            remix.train(tiny_args(str(model), data, out))
+        else:
+            eval_cli.main(eval_cli.EvalArgs(model=str(model), out=str(out), limit=1, sampler="hf"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(f"{program}: error: "), err
+    assert not os.path.exists(out)
+    return err[0]
+
+
 def read_metrics(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
 

@@ -19,10 +19,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
 from machinery import checkpoints, models, runfolder, safeload  # noqa: E402
-from tests.common import ROOT, one_error_line, read_metrics, run_remix, tiny_args, tiny_cli  # noqa: E402
+from tests.common import ROOT, one_error_line, read_metrics, refused_in_one_line, run_remix, tiny_cli  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,15 +203,8 @@ def test_a_model_folder_transformers_would_refuse_or_patch_is_one_line_before_an
     model, out = tmp_path / "model", tmp_path / "out"
     shutil.copytree(tiny_model, model)
     spoil(model)
-    with pytest.raises(SystemExit) as exit_info:
-        if program == "remix":
-            remix.train(tiny_args(str(model), train_file, out))
-        else:
-            eval_cli.main(eval_cli.EvalArgs(model=str(model), out=str(out), limit=1, sampler="hf"))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(f"{program}: error: "), err
-    assert message in err[0] and str(model) in err[0], err
-    assert not out.exists()  # no settings.json, no samples.jsonl, no lock
+    line = refused_in_one_line(program, model, train_file, out, capsys)  # no settings.json, no samples.jsonl, no lock
+    assert message in line and str(model) in line, line
     assert not (model / "UNPICKLED").exists()
 
 
