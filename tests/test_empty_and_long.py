@@ -9,7 +9,6 @@ pointed at a model's folder, and a second Ctrl-C while a run unwinds the first.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time

@@ -126,7 +126,7 @@ def test_a_users_fork_trains_beside_remix_py_at_the_same_seeds_and_both_curves_a
     (tmp_path / "out").mkdir()
     table = toy.compare_method(cli, str(cache))
     label = toy.method_label(fork)
-    assert label.startswith("remix_mine-") and f"| remix-grpo |" in table
+    assert label.startswith("remix_mine-") and "| remix-grpo |" in table
     record = json.loads((tmp_path / "out" / "method.json").read_text())
     runs = {r["config"]: r for r in record["runs"]}
     plain, mine = runs["remix-grpo"], runs[f"remix-grpo+{label}"]
