@@ -8,6 +8,12 @@ Reported: the least-squares slope per 100 steps of RSS and step time after a war
 count's first and last values, and after each save the run folder's checkpoints against the layout
 (machinery.checkpoints: one full state and keep_last - 1 model folders). The per-step rows go to DIR/soak.jsonl as
 they come, so a run cut short still leaves what it measured (--table-only DIR writes the table from them).
+
+On CPU, vLLM's matrix products go through oneDNN, which caches a compiled kernel for each new shape it meets, up to
+ONEDNN_PRIMITIVE_CACHE_CAPACITY kernels (1024 by default); the responses' lengths, and so the shapes, differ at every
+step, and the cache's fill shows as host memory growing by about 1 MB a step with the tiny model. A GPU run has no
+such cache (its engine's kernels are CUDA's). --onednn-cache sets the capacity for the benchmark's process: 0 (the
+default here) measures the run's own memory; 1024 shows the cache's fill beside it.
 """
 
 import argparse
@@ -75,6 +81,7 @@ def summarize(rows: list[dict], warmup: int) -> dict:
     # over the other steps
     plain = [r for r in steady if not r["eval"]]
     return {"steps": rows[-1]["step"] if rows else 0, "warmup": warmup,
+            "onednn_cache": rows[0].get("onednn_cache") if rows else None,
             "rss_mb_first": steady[0]["rss_mb"] if steady else None, "rss_mb_last": steady[-1]["rss_mb"] if steady else None,
             "rss_mb_per_100_steps": 100 * slope(steps, [r["rss_mb"] for r in steady]),
             "step_s_median": sorted(r["step_s"] for r in plain)[len(plain) // 2] if plain else None,
@@ -92,7 +99,8 @@ def table(summary: dict, command: str, requested: int) -> str:
     lines = ["# Soak: the default schedule's pattern held over a long run (CPU, tiny model, vLLM sampler)", "",
              "Measured by", "", f"    {command}", "",
              f"{s['steps']} steps{cut}; slopes are least squares over the steps after {s['warmup']} (the warm-up); the "
-             "step time's slope is over the steps without an evaluation (a step's time ends before its save).", "",
+             "step time's slope is over the steps without an evaluation (a step's time ends before its save); "
+             f"oneDNN's kernel cache capacity {s['onednn_cache']}.", "",
              "| quantity | value |", "|---|---|",
              f"| host RSS after the warm-up, MB | {s['rss_mb_first']:.0f} |",
              f"| host RSS at the last step, MB | {s['rss_mb_last']:.0f} |",
@@ -121,6 +129,9 @@ def main():
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--max-response-tokens", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--onednn-cache", type=int, default=0,
+                        help="oneDNN's kernel cache capacity on CPU (ONEDNN_PRIMITIVE_CACHE_CAPACITY; its own default "
+                             "is 1024): 0 keeps the cache's fill out of the host memory measured")
     parser.add_argument("--results", default=None, help="write PATH.md and PATH.json (e.g. docs/bench/soak)")
     parser.add_argument("--table-only", action="store_true", help="only the table from OUT/soak.jsonl")
     cli = parser.parse_args()
@@ -140,6 +151,7 @@ def main():
 
 
 def run(cli, out: Path):
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(cli.onednn_cache)  # read at oneDNN's first kernel: set first
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import remix
@@ -165,7 +177,8 @@ def run(cli, out: Path):
         now = time.perf_counter()
         row = {"step": step, "rss_mb": rss_mb(), "fds": open_fds(), "run_bytes": tree_bytes(run_dir),
                "step_s": record["perf/step_s"], "wall_s": now - last["t"], "eval": "perf/eval_s" in record,
-               "saved": step > 1 and (step - 1) % cli.save_every == 0}
+               "saved": bool(cli.save_every) and step > 1 and (step - 1) % cli.save_every == 0,
+               "onednn_cache": cli.onednn_cache}
         if row["saved"]:
             row["layout"] = layout_bytes(run_dir)
         last["t"] = now

@@ -1119,7 +1119,7 @@ def test_the_soak_benchmarks_short_form_holds_memory_files_and_disk(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "soak" / "soak.jsonl").open()]
     steps = [r for r in rows if not r.get("after_run")]
-    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert [r["step"] for r in steps] == list(range(1, 9)) and {r["onednn_cache"] for r in steps} == {0}
     assert max(r["fds"] for r in steps[2:]) <= steps[2]["fds"] + 2  # a leak would add one or more every step
     assert max(r["rss_mb"] for r in steps[2:]) - steps[2]["rss_mb"] < 200  # MB: a loose bound on a busy machine
     saves = [r["layout"] for r in rows if r.get("layout")]
