@@ -45,16 +45,10 @@ class Shape:
 
 def shape_of(source: str) -> Shape:
     """A model folder, hub id or config.json file, built on the meta device; raises ValueError when unreadable."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from machinery import safeload
 
-    try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False)  # never code from the folder
-        with torch.device("meta"):
-            policy = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-            critic = AutoModelForTokenClassification.from_config(
-                AutoConfig.from_pretrained(source, num_labels=1, trust_remote_code=False), trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(str(error).splitlines()[0][:200] if str(error) else type(error).__name__) from None
+    config, policy = safeload.meta_model(source)  # never code from the folder
+    critic = safeload.meta_model(source, critic=True)[1]
     text = config.get_text_config()
     params = list(policy.parameters())
     heads = text.num_attention_heads

@@ -165,21 +165,31 @@ def check_tokenizer(tokenizer, source: str, rows: int | None):
                          f"{rows} rows (vocab_size in config.json): the tokenizer is not this model's")
 
 
+def meta_model(source: str, critic: bool = False):
+    """(config, model) of a model folder, hub id or config.json, the model built on the meta device (no memory, no
+    weight read, never code from the folder): the policy, or the critic (one label per token). Raises ValueError
+    with transformers' reason when the config cannot be used."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False, **({"num_labels": 1} if critic else {}))
+        with torch.device("meta"):
+            model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(
+                config, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as error:  # what transformers raises for a config it cannot use
+        raise ValueError(str(error).splitlines()[0][:200] if str(error) else type(error).__name__) from None
+    return config, model
+
+
 def model_parameters(folder: str, critic: bool = False) -> tuple[dict, int, set | None]:
     """The parameters of the model a folder's config.json describes, {name: shape} in the order the optimizer
     numbers them (tied weights once), its vocabulary size, and every other name a weight file of it may hold (a
     tied copy, a buffer, one transformers ignores), or None where transformers renames weights as it loads them
     (then only the names that match are checked): the model is built on the meta device, so no memory is used,
     no weight is read and no code from the folder is run."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
     try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=False, **({"num_labels": 1} if critic else {}))
-        with torch.device("meta"):
-            model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(
-                config, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as error:  # what transformers raises for a config it cannot use
-        why = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        config, model = meta_model(folder, critic)
+    except ValueError as why:
         raise ValueError(f"{folder}/config.json does not describe a model ({why})") from None
     from transformers.conversion_mapping import get_model_conversion_mapping
 
