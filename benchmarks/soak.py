@@ -135,6 +135,8 @@ def main():
     parser.add_argument("--results", default=None, help="write PATH.md and PATH.json (e.g. docs/bench/soak)")
     parser.add_argument("--table-only", action="store_true", help="only the table from OUT/soak.jsonl")
     cli = parser.parse_args()
+    if cli.onednn_cache < 0:
+        parser.error(f"--onednn-cache {cli.onednn_cache}: give a number of kernels, 0 or more")
     out = Path(cli.out)
     argv = [a for a in sys.argv[1:] if a != "--table-only"]
     argv = ["OUT" if i and argv[i - 1] == "--out" else a for i, a in enumerate(argv)]  # no path of this machine
