@@ -9,11 +9,11 @@ count's first and last values, and after each save the run folder's checkpoints 
 (machinery.checkpoints: one full state and keep_last - 1 model folders). The per-step rows go to DIR/soak.jsonl as
 they come, so a run cut short still leaves what it measured (--table-only DIR writes the table from them).
 
-On CPU, vLLM's matrix products go through oneDNN, which caches a compiled kernel for each new shape it meets, up to
-ONEDNN_PRIMITIVE_CACHE_CAPACITY kernels (1024 by default); the responses' lengths, and so the shapes, differ at every
-step, and the cache's fill shows as host memory growing by about 1 MB a step with the tiny model. A GPU run has no
-such cache (its engine's kernels are CUDA's). --onednn-cache sets the capacity for the benchmark's process: 0 (the
-default here) measures the run's own memory; 1024 shows the cache's fill beside it.
+On CPU, vLLM runs its linear layers through oneDNN, which caches a compiled kernel for each new shape it meets, up
+to ONEDNN_PRIMITIVE_CACHE_CAPACITY kernels (1024 by default, least recently used evicted past that). The responses'
+lengths, and so the shapes, differ at every step, and the cache's fill shows as host memory growing by about 1 MB a
+step with the tiny model. On a GPU, vLLM's linear layers take CUDA's path instead. --onednn-cache sets the capacity
+for the benchmark's process: 0 (the default here) leaves the cache's fill out of what is measured; 1024 shows it.
 """
 
 import argparse

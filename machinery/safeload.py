@@ -165,7 +165,7 @@ def check_tokenizer(tokenizer, source: str, rows: int | None):
                          f"{rows} rows (vocab_size in config.json): the tokenizer is not this model's")
 
 
-def meta_model(source: str, critic: bool = False):
+def meta_model(source: str, critic: bool = False) -> tuple:
     """(config, model) of a model folder, hub id or config.json, the model built on the meta device (no memory, no
     weight read, never code from the folder): the policy, or the critic (one label per token). Raises ValueError
     with transformers' reason when the config cannot be used."""

@@ -103,22 +103,24 @@ def test_a_short_toy_run_gives_exactly_the_committed_curve(tmp_path):
                                                                              "pinned_curve.json").read_text())
 
 
-@pytest.mark.slow
 def test_method_runs_evaluate_every_6_steps_by_default_in_folders_of_their_own(capsys):
     """--method's default grid is every 6 steps, the study's every 3; a run is read back only from the folder of
-    its grid, so the short run's curves are never taken for a --method run's; an impossible grid is one line."""
+    its grid, so a run evaluated every 3 steps is never taken for one evaluated every 6; a grid under 1 is one line
+    (one past a run's steps is allowed: the study's 60-step runs share the flag with its 24-step ones)."""
     assert toy.settled(toy.ToyArgs()).eval_every == 3
     assert toy.settled(toy.ToyArgs(method="remix_mine.py")).eval_every == 6
     assert toy.settled(toy.ToyArgs(method="remix_mine.py", eval_every=2)).eval_every == 2
     job = toy.job_name("remix-grpo", 1, 3e-5, 24, 12)
     assert toy.run_dir("out", job, 3).as_posix() == "out/runs/remix-grpo/lr3e-05-steps24-T12/seed1"
     assert toy.run_dir("out", job, 6).as_posix() == "out/runs/remix-grpo/lr3e-05-steps24-T12-every6/seed1"
-    for bad in (0, 25):
+    assert toy.settled(toy.ToyArgs(eval_every=30)).eval_every == 30
+    for bad in (0, -1):
         with pytest.raises(SystemExit) as exit_:
             toy.settled(toy.ToyArgs(eval_every=bad))
         assert exit_.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_users_fork_trains_beside_remix_py_at_the_same_seeds_and_both_curves_are_drawn(tmp_path):
     """toy.py --method in small (a base of 20 supervised steps, 40 held-out problems, 2 steps of ReMix-GRPO, one
     seed): the length-penalty fork of docs/forks, saved as remix_mine.py, and remix.py train from the same base at
