@@ -14,20 +14,20 @@ and its parsers; pure Python, about 1 MiB), installed there with
 `pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site`. vLLM is used where
 it is installed (the sleep, push and wake cycle then runs every step); else transformers' generate.
 
-How long: on one H200 the quick check is about 4-5 minutes (figures measured there before: building the 1.5B model
-and the micro-batch part about 1.5 minutes, a three-step GRPO run of 128-token responses 80 s; the PPO run is
-shorter here, at 128 tokens, than the 220 s measured at 512). --budget-s (330 s by default) stops it starting a
-part once it is past that, recording the part as skipped, and --limit-s (400 s by default) stops a part that is still
-running then (an alarm; also --part-limit-s, 240 s, for any one part), recording it as timed out. The worst case is
-so --limit-s plus the cleanup of the part that was stopped (its engine shut down, its folders removed): under 7
-minutes. Each part is guarded: one that raises, calls fail() (SystemExit) or times out is recorded with its error and
-the rest still run, and the check exits 1 at the end if any part failed. OUT_DIR/gpu_check.json is rewritten as each
-part finishes, every engine is shut down before the next part, and nothing large is left under OUT_DIR whatever
-happens (a part's run folders go with it, failed or not, and the 1.5B model folder goes at the end, also after a
-failure or a SIGTERM): OUT_DIR ends with gpu_check.json and problems.jsonl. No checkpoint of the 1.5B models is
-written (about 43 GB for PPO, 25 GB for GRPO: a 64 GiB disk holds neither twice); the save part saves and resumes a
-small model instead. Without CUDA it runs the same code on the CPU with a tiny model and short lengths, as a dry
-run (a test runs it, and one with a planted fail() in a part).
+How long: on one H200 the quick check is about 4-5 minutes (figures measured there before: building the 1.5B model and
+the micro-batch part about 1.5 minutes, a three-step GRPO run of 128-token responses 80 s; the PPO run is shorter
+here, at 128 tokens, than the 220 s measured at 512). --budget-s (330 s by default) stops it starting a part once it
+is past that, recording the part as skipped, and --limit-s (400 s by default) stops a part that is still running then
+(an alarm; also --part-limit-s, 240 s, for any one part), recording it as timed out. The worst case is so --limit-s
+plus the cleanup of the part that was stopped (its engine shut down, its folders removed): under 7 minutes. Each part
+is guarded: one that raises, calls fail() (SystemExit) or times out is recorded with its error and the rest still run,
+and the check exits 1 at the end if any part failed; a SIGTERM or Ctrl-C ends the check (143, 130).
+OUT_DIR/gpu_check.json is rewritten as each part finishes, every engine is shut down before the next part, and nothing
+large is left under OUT_DIR whatever happens (a part's run folders go with it, failed or not, and the 1.5B model
+folder goes at the end, also after a failure or a SIGTERM): OUT_DIR ends with gpu_check.json and problems.jsonl. No
+checkpoint of the 1.5B models is written (about 43 GB for PPO, 25 GB for GRPO: a 64 GiB disk holds neither twice); the
+save part saves and resumes a small model instead. Without CUDA it runs the same code on the CPU with a tiny model and
+short lengths, as a dry run (a test runs it, and one with a planted fail() in a part).
 
 1. micro: the memory a run holds between updates (policy and critic with their fp32 masters and AdamW states,
    the bf16 reference), read after a real `remix.update` has released its gradients; then one policy and one
@@ -87,7 +87,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import remix  # noqa: E402
-from machinery import checkpoints, dist, engines, models  # noqa: E402
+from machinery import checkpoints, dist, engines, models, signals, startup  # noqa: E402
 from tests.tiny_model import build_tokenizer  # noqa: E402
 
 GIB = 2**30
@@ -107,10 +107,18 @@ class PartTimeout(Exception):
     """A part still running at its limit (--part-limit-s, --limit-s), raised by an alarm."""
 
 
+class Terminated(BaseException):
+    """A SIGTERM, raised by its handler: not a part's failure (guarded lets it through); it ends the check, exit 143."""
+
+
+def terminated(signum, frame):
+    raise Terminated()
+
+
 def guarded(name: str, fn, *args) -> dict:
     """fn(*args), one part or check. One that raises, calls machinery.messages.fail (a SystemExit) or times out is
     recorded with its error and the rest still run (a GPU session's minutes are few); the failure is remembered, so
-    the check exits 1 at the end (the CPU dry run's test sees a broken part). A signal (KeyboardInterrupt) ends it."""
+    the check exits 1 at the end (the CPU dry run's test sees a broken part). A signal (Ctrl-C, SIGTERM) ends it."""
     try:
         return fn(*args)
     except (Exception, SystemExit) as error:
@@ -564,7 +572,7 @@ def main(argv=None):
         print(f"gpu_check: {key} {json.dumps(report[key]) if isinstance(report[key], str) else 'done'}", flush=True)
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # the cleanup below runs on a SIGTERM too
+    signal.signal(signal.SIGTERM, terminated)  # the cleanup below runs on a SIGTERM too
     try:
         part("attention", "cudnn_attention", cudnn_attention)
         part("fp32", "fp32_head_grad", fp32_head_grad)
@@ -598,6 +606,11 @@ def main(argv=None):
             report["tensor_parallel"] = "skipped: needs vLLM and two GPUs"
         shutil.rmtree(model, ignore_errors=True)
         part("save", "save_and_resume", save_and_resume, data, out, needs_grader=True)
+    except (Terminated, signals.Stopped):  # a SIGTERM between remix's runs, or one (or Ctrl-C) that a run caught
+        signum = signals.seen() or signal.SIGTERM
+        print(f"gpu_check: stopped by {signal.Signals(signum).name}; the parts done so far are in gpu_check.json",
+              flush=True)
+        raise SystemExit(startup.EXIT_CODES[signum]) from None
     finally:
         shutil.rmtree(model, ignore_errors=True)  # 3 GB at 1.5B: never left under OUT_DIR, whatever stopped the check
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
