@@ -31,7 +31,7 @@ import sys
 import numpy as np
 import torch
 
-from machinery import dist, runfolder, safeload, statecheck
+from machinery import dist, inputs, runfolder, safeload, statecheck
 from machinery.messages import fail, say
 
 FORMAT = 2  # 1: optimizers in torch.distributed.checkpoint's format, trainer state pickled (no longer read)
@@ -326,9 +326,6 @@ def typed_flags(argv: list[str] | None = None) -> set[str]:
     return names
 
 
-MOVABLE = ("model", "dataset", "eval_data_dir")  # where a resume reads what the run read: the place may have moved
-
-
 def resume_args(args, saved: dict, done: int):
     """The run's saved arguments; only --steps may change (to extend a run), and --model, --dataset and
     --eval-data-dir may give the new place of what the run read (machinery.inputs checks it is the same). Other
@@ -340,7 +337,7 @@ def resume_args(args, saved: dict, done: int):
     defaults, given, typed = type(args)(), dataclasses.asdict(args), typed_flags()
     changed = [k for k, v in given.items() if (k in typed or v != getattr(defaults, k))
                and k not in ("resume", "steps", "resume_other_method") and v != saved.get(k)]
-    moved = {k: given[k] for k in changed if k in MOVABLE}
+    moved = {k: given[k] for k in changed if k in inputs.MOVABLE}  # what the run read, whose place may have moved
     changed = [k for k in changed if k not in moved]
     steps_given = args.steps != defaults.steps or "steps" in typed
     steps = args.steps if steps_given else saved["steps"]  # --steps 350 typed out extends a run too

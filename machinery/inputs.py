@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 
-from machinery import flags, safeload
+from machinery import data, flags, safeload
 from machinery.messages import fail
 
 MOVABLE = {"model": "--model", "dataset": "--dataset", "eval_data_dir": "--eval-data-dir"}
@@ -43,7 +43,7 @@ def needed(key: str, value, args) -> bool:
     """Whether a resume reads this saved input from a local place (a hub id is not moved)."""
     if value is None or (key == "eval_data_dir" and not args.eval_every):
         return False
-    if key == "dataset" and value.endswith((".jsonl", ".json", ".parquet")):
+    if key == "dataset" and value.endswith(data.LOCAL_FORMS):
         return True
     return key == "eval_data_dir" or not flags.is_hub_id(value)
 
@@ -72,8 +72,7 @@ def same_model(new: str, checkpoint: str) -> str | None:
     if not os.path.isdir(new):
         return "no such folder"
     try:
-        safeload.check_model_folder(new)
-        if safeload.model_parameters(new)[:2] != safeload.model_parameters(checkpoint)[:2]:
+        if safeload.check_model_folder(new) != safeload.model_parameters(checkpoint)[:2]:  # (params, vocab) both
             return "its weights have other names or shapes than the run's model"
         configs = []
         for folder in (new, checkpoint):

@@ -150,8 +150,7 @@ def memory(shape: Shape, args, world: int, offload: bool, gpu: bool, device_byte
     trained = shape.params + (shape.critic_params if ppo else 0)
     checkpointing = gpu if args.gradient_checkpointing is None else args.gradient_checkpointing
     longest = args.max_prompt_tokens + args.max_response_tokens  # a longer sample runs alone
-    tokens, width = max(args.max_tokens_per_micro_batch, longest), min(max(args.max_tokens_per_micro_batch,
-                                                                           longest), longest)
+    tokens, width = max(args.max_tokens_per_micro_batch, longest), longest  # a micro-batch's tokens; its widest row
     parts = {"weights (fp32 masters)": 4 * trained / world, "gradients (fp32)": 4 * trained / world,
              "AdamW moments (fp32)": 8 * trained / world,
              "reference": b * shape.params / world if args.kl_beta != 0 else 0.0,

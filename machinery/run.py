@@ -176,8 +176,7 @@ class Session:
             replay.extend(self.state["replay"])
             self.progress = {k: v for k, v in self.state["progress"].items() if k != "bad_updates"}
             checkpoints.set_rng_state(self.state["rng"])
-            if llm is not None:
-                engines.push_weights(llm, policy)  # the engine started from the base weights
+            engines.push_weights(llm, policy)  # the engine started from the base weights (no engine: nothing)
             say(f"resuming {args.out} after step {self.progress['step']} from {self.checkpoint}")
         self.log = logs.RunLog(args.out, dataclasses.asdict(args), self.progress["step"], args.track)
         self.prompts = data.prompt_stream(self.problems, self.encode, args.max_prompt_tokens, args.seed,

@@ -315,9 +315,10 @@ def method_label(method: Path) -> str:
     return f"{method.stem}-{hashlib.sha256(method.read_bytes()).hexdigest()[:8]}"
 
 
-def method_project(method: Path, cache: Path) -> Path:
-    """A user's method file (a fork of remix.py under any name) as remix.py, and the machinery."""
-    return project(method, cache / "methods" / method_label(method))
+def method_project(method: Path, cache: Path, label: str) -> Path:
+    """A user's method file (a fork of remix.py under any name) as remix.py, and the machinery, in the folder of the
+    label its jobs were named with (method_label, taken once)."""
+    return project(method, cache / "methods" / label)
 
 
 def bucket_of(length: int) -> str:
@@ -384,7 +385,7 @@ def run_jobs(jobs: list[str], cli: ToyArgs, toy: str) -> list[dict]:
     def project_of(job: str) -> Path | None:  # what the job imports as remix: remix.py, a docs/forks fork, --method
         config = job.split("@")[0]
         if "+" in config:
-            return method_project(Path(cli.method), Path(toy))
+            return method_project(Path(cli.method), Path(toy), config.split("+", 1)[1])  # CONFIG+LABEL
         fork = CONFIGS[config].get("fork")
         return fork_project(fork, Path(toy)) if fork else None
 
