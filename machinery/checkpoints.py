@@ -6,7 +6,8 @@ without executing anything from the folder. A reader of the method may skip this
         optim/rank-R.pt          each rank's shard of both optimizers' state: tensors and numbers only
         trainer_state.pt         rank 0's progress, arguments, replay deque and RNG states; -rankR.pt for rank R
 
-Only the newest checkpoint is full. Once a new one is renamed into place, every older one that --keep-last keeps is
+Only the newest checkpoint is full. Once a new one is on the disk (every file and folder flushed) and renamed into
+place, every older one that --keep-last keeps is
 reduced to its policy model folder (weights, config.json, generation_config.json, tokenizer files: what eval.py and
 vLLM load): a resume needs only the newest, and the older ones are kept for evaluation. So a save's peak on disk is
 two full checkpoints (the new one and the last) plus keep_last - 2 model folders, and between saves one full
@@ -92,10 +93,13 @@ def load_optimizer_shard(model, optim, shard: dict):
 
 
 def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer_state: dict, keep_last: int) -> str:
-    """OUT/checkpoint-STEP (the layout above). Every rank writes into a temporary folder, renamed only once all have
-    written; a failed write (a full disk, a read-only folder), whatever the writer raises, removes it, keeps the
-    previous checkpoints and stops the run with one line. Then --keep-last prunes the older ones and reduces those it
-    keeps to model folders (prune)."""
+    """OUT/checkpoint-STEP (the layout above). Every rank writes into a temporary folder; rank 0 alone writes the model
+    folders, and a failure there reaches every rank before the next model is gathered, so none goes on into a
+    collective the others have left. A failed write (a full disk, a read-only folder), whatever the writer raises,
+    removes the temporary folder, keeps the previous checkpoints and stops every rank with one line. Once all have
+    written, every file and folder of it is flushed to the disk, it is renamed into place and --out flushed: only
+    then does it count, and only then does --keep-last prune the older ones and strip the previous one's training
+    state (prune)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
@@ -104,41 +108,70 @@ def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer
         clear_leftovers(out)
     dist.barrier()
     error = None
-    try:
-        for name, model in models.items():
-            if model is None:
-                continue
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if dist.rank() == 0:
-                folder = tmp if name == "policy" else os.path.join(tmp, name)
-                runfolder.makedirs(folder)  # new (leftovers were cleared): nothing in it is a link
-                model.save_pretrained(folder, state_dict=full)
-                if name == "policy":
-                    tokenizer.save_pretrained(folder)
-            del full  # before the next model's is gathered: one whole fp32 model on the host at a time
-        runfolder.makedirs(os.path.join(tmp, "optim"))
-        with runfolder.open_file(optim_file(tmp, dist.rank()), "wb") as f:
-            torch.save({name: optimizer_shard(models[name], optim) for name, optim in optimizers.items()
-                        if optim is not None}, f)
-        with runfolder.open_file(state_file(tmp, dist.rank()), "wb") as f:
-            torch.save({**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT}, f)
-    except Exception as caught:  # OSError, safetensors' SafetensorError, torch's RuntimeError: the same line
-        error = f"{getattr(caught, 'strerror', None) or str(caught).splitlines()[0] or type(caught).__name__}"
+    for name, model in models.items():
+        if model is None:
+            continue
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.rank() == 0:
+            error = failure(write_model, tmp, name, model, full, tokenizer)
+        del full  # before the next model's is gathered: one whole fp32 model on the host at a time
+        error = dist.broadcast(error)  # rank 0's failure, on every rank before the next gather
+        if error:
+            break
+    if error is None:
+        error = failure(write_rank_files, tmp, models, optimizers, trainer_state)
     errors = [e for e in dist.all_gather(error) if e]
+    if not errors:  # every rank has written: rank 0 puts the checkpoint in place
+        placed = failure(put_in_place, out, tmp, final) if dist.rank() == 0 else None
+        errors = [e for e in [dist.broadcast(placed)] if e]
     if errors:
         if dist.rank() == 0:
             _delete(tmp)
         fail(f"cannot write checkpoint {final}: {errors[0]}; the previous checkpoints are intact")
-    dist.barrier()
     if dist.rank() == 0:
-        if os.path.islink(final):
-            say(f"{final} was a symbolic link: replaced by this run's checkpoint (what it pointed to is untouched)")
-        if os.path.lexists(final):  # this step saved before (a resume from an earlier checkpoint): the new one wins
-            remove(final)
-        runfolder.replace(tmp, final)
         prune(out, step, keep_last)
     dist.barrier()
     return final
+
+
+def failure(write, *args) -> str | None:
+    """None when write(*args) succeeds, else what went wrong in a few words: an OSError's reason, the first line of
+    anything else (safetensors' SafetensorError, torch's RuntimeError)."""
+    try:
+        write(*args)
+    except Exception as caught:
+        return getattr(caught, "strerror", None) or (str(caught).splitlines() or [""])[0] or type(caught).__name__
+    return None
+
+
+def write_model(tmp: str, name: str, model, full: dict, tokenizer):
+    """Rank 0: one model's folder in the new checkpoint, from its gathered weights (the policy's with the tokenizer)."""
+    folder = tmp if name == "policy" else os.path.join(tmp, name)
+    runfolder.makedirs(folder)  # new (leftovers were cleared): nothing in it is a link
+    model.save_pretrained(folder, state_dict=full)
+    if name == "policy":
+        tokenizer.save_pretrained(folder)
+
+
+def write_rank_files(tmp: str, models: dict, optimizers: dict, trainer_state: dict):
+    """This rank's optimizer shard and trainer state."""
+    runfolder.makedirs(os.path.join(tmp, "optim"))
+    with runfolder.open_file(optim_file(tmp, dist.rank()), "wb") as f:
+        torch.save({name: optimizer_shard(models[name], optim) for name, optim in optimizers.items()
+                    if optim is not None}, f)
+    with runfolder.open_file(state_file(tmp, dist.rank()), "wb") as f:
+        torch.save({**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT}, f)
+
+
+def put_in_place(out: str, tmp: str, final: str):
+    """Rank 0, once every rank has written: the new checkpoint on the disk, then renamed into place."""
+    runfolder.sync_tree(tmp)  # every rank's files and the folders, before the checkpoint counts
+    if os.path.islink(final):
+        say(f"{final} was a symbolic link: replaced by this run's checkpoint (what it pointed to is untouched)")
+    if os.path.lexists(final):  # this step saved before (a resume from an earlier checkpoint): the new one wins
+        remove(final)
+    runfolder.replace(tmp, final)
+    runfolder.sync_folder(out)  # the rename itself
 
 
 def step_of(folder: str) -> int:

@@ -15,12 +15,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a script, under torchrun
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
@@ -55,6 +57,13 @@ def save(out: Path, step: int, keep_last: int) -> str:
 
 def entries(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir())
+
+
+def digests(folder: Path) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,6 +257,134 @@ def test_a_resume_skips_a_misnamed_copy_and_a_link_in_one_line_each_and_clears_l
     assert [p for p in entries(out) if "checkpoint" in p] == ["checkpoint-2", "checkpoint-3", "checkpoint-5",
                                                               "checkpoint-999999999999"]
     assert (out / "checkpoint-5").is_symlink() and (elsewhere / "trainer_state.pt").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint counts once it is on the disk
+# ----------------------------------------------------------------------------------------------
+def policy_of(source: str):
+    """A model loaded as a run's policy is (fp32 master weights, unsharded here), and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), AutoTokenizer.from_pretrained(source)
+
+
+def save_policy(out: Path, step: int, keep_last: int, policy, tokenizer, base: str) -> str:
+    """checkpoints.save as a run calls it, with a real policy and tokenizer and no optimizer; the trainer state names
+    the base model, as a run's arguments do."""
+    return checkpoints.save(str(out), step, {"policy": policy}, tokenizer, {},
+                            {"args": {"model": base}, "progress": {"step": step}}, keep_last)
+
+
+def inode(path: Path) -> tuple[int, int]:
+    info = path.stat()
+    return info.st_dev, info.st_ino
+
+
+def test_a_new_checkpoint_is_on_the_disk_before_the_previous_ones_training_state_is_stripped(tiny_model, tmp_path,
+                                                                                             monkeypatch):
+    """Every file and folder of checkpoint-2 is flushed (fsync) before it is renamed into place, --out after that
+    rename, and only then does checkpoint-1's trainer state move into the trash: a power loss at any instant leaves
+    a full checkpoint on the disk. Recorded: each fsync (by the inode of what it flushed) and each rename."""
+    out = tmp_path / "run"
+    policy, tokenizer = policy_of(tiny_model)
+    save_policy(out, 1, 2, policy, tokenizer, tiny_model)
+    events, real_fsync, real_replace = [], os.fsync, runfolder.replace
+
+    def fsync(fd):
+        info = os.fstat(fd)
+        events.append(("fsync", (info.st_dev, info.st_ino)))
+        return real_fsync(fd)
+
+    def replace(source, target):
+        events.append(("rename", os.path.relpath(source, out), os.path.relpath(target, out)))
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(runfolder, "replace", replace)
+    save_policy(out, 2, 2, policy, tokenizer, tiny_model)
+    monkeypatch.undo()
+    put = events.index(("rename", ".tmp-checkpoint-2", "checkpoint-2"))
+    strip = next(i for i, e in enumerate(events) if e[0] == "rename" and e[1] == "checkpoint-1/trainer_state.pt")
+    new = [out / "checkpoint-2", *(out / "checkpoint-2").rglob("*")]
+    assert {"model.safetensors", "config.json", "optim", "trainer_state.pt"} <= {p.name for p in new}
+    synced = {key for kind, key, *_ in events[:put] if kind == "fsync"}
+    assert [p.name for p in new if inode(p) not in synced] == []
+    assert ("fsync", inode(out)) in events[put:strip]  # the rename itself, before the strip
+    assert entries(out / "checkpoint-1") == sorted(p.name for p in new if p.is_file() and p.parent == new[0]
+                                                   and p.name != "trainer_state.pt")
+
+
+# ----------------------------------------------------------------------------------------------
+# A save that fails on rank 0 (which alone writes the model folders) ends every rank at once
+# ----------------------------------------------------------------------------------------------
+def failing_save_main(argv: list[str]):
+    """torchrun --nproc-per-node 2 tests/test_checkpoint_safety.py failing-save RECORD REMIX_FLAGS...: remix.py's run,
+    with rank 0's write of checkpoint-2's policy failing as on a full disk. RECORD gets the instant of the failure
+    and checkpoint-1's digests then (failed.json), each rank's stopping line and instant as it reaches it
+    (stop-rankR.json), and each rank's exit code (exit-rankR.json) where the rank gets to write it."""
+    import errno
+
+    import transformers
+
+    from machinery import dist, run
+
+    record, flags = Path(argv[1]), argv[2:]
+    out = Path(flags[flags.index("--out") + 1])
+    real_write, real_fail = transformers.PreTrainedModel.save_pretrained, checkpoints.fail
+
+    def full_disk(model, folder, *args, **kwargs):
+        if dist.rank() == 0 and os.path.basename(folder) == ".tmp-checkpoint-2":
+            (record / "failed.json").write_text(json.dumps({"at": time.time(),
+                                                            "checkpoint-1": digests(out / "checkpoint-1")}))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(model, folder, *args, **kwargs)
+
+    def stopping(message, *args):
+        (record / f"stop-rank{dist.rank()}.json").write_text(json.dumps({"at": time.time(), "line": message}))
+        real_fail(message, *args)
+
+    transformers.PreTrainedModel.save_pretrained, checkpoints.fail = full_disk, stopping
+    sys.argv = [str(ROOT / "remix.py"), *flags]
+    code = 0
+    try:
+        run.main(lambda: remix.train(run.cli(remix.Args)))
+    except SystemExit as stop:
+        code = stop.code
+    (record / f"exit-rank{dist.rank()}.json").write_text(json.dumps({"at": time.time(), "code": code}))
+    sys.stderr.flush()
+    os._exit(code)  # skip the process group's teardown, which can abort at exit
+
+
+@pytest.mark.slow
+def test_a_save_that_fails_on_rank_0_ends_every_rank_within_seconds_in_one_line(tiny_model, train_file, tmp_path):
+    """PPO on 2 processes (gloo): rank 0's write of checkpoint-2's policy fails (ENOSPC). Before, rank 0 went on to
+    the error exchange while rank 1 gathered the critic (a collective mismatch: gloo aborted rank 0 with no line;
+    NCCL waits out --dist-timeout). Now each rank reaches the one line, which names the checkpoint and the error,
+    within seconds of the failure and exits 2; checkpoint-1 is as it was, and nothing of checkpoint-2 is left."""
+    out, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(29500 + (os.getpid() + 500) % 1000), __file__, "failing-save", str(record),
+                           *tiny_cli(tiny_model, train_file, out, "--algo", "ppo", "--group-size", "1", "--steps", "2",
+                                     "--save-every", "1", "--dist-timeout", "1")],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    ended = time.time()
+    assert (record / "failed.json").exists(), done.stderr[-3000:]
+    failed = json.loads((record / "failed.json").read_text())
+    line = f"cannot write checkpoint {out / 'checkpoint-2'}: No space left on device; the previous checkpoints are intact"
+    errors = [text for text in done.stderr.splitlines() if text.startswith("remix: error:")]
+    assert done.returncode != 0 and errors == [f"remix: error: {line}"], done.stderr[-3000:]
+    stops = {rank: record / f"stop-rank{rank}.json" for rank in (0, 1)}
+    assert all(path.exists() for path in stops.values()), done.stderr[-3000:]  # each rank learned of it itself
+    for stop in (json.loads(path.read_text()) for path in stops.values()):
+        assert stop["line"] == line and stop["at"] - failed["at"] < 5, (stop, failed)
+    for path in record.glob("exit-rank*.json"):  # torchrun may end a rank before it writes its own
+        assert json.loads(path.read_text())["code"] == 2
+    assert ended - failed["at"] < 30  # the whole job, torchrun's teardown included: never --dist-timeout's wait
+    assert digests(out / "checkpoint-1") == failed["checkpoint-1"] and checkpoints.complete(str(out)) == [
+        str(out / "checkpoint-1")]
+    assert [p for p in entries(out) if "checkpoint" in p] == ["checkpoint-1"]  # no .tmp-checkpoint-2 left
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,3 +596,7 @@ def test_sampling_values_without_do_sample_save_with_every_checkpoint_which_load
     assert (saved.temperature, saved.top_p, saved.do_sample) == (0.6, 0.95, True)
     remix.train(tiny_args(str(model), train_file, out, steps=3, resume=str(out), **small))
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3] and (out / "checkpoint-3" / "trainer_state.pt").is_file()
+
+
+if __name__ == "__main__" and len(sys.argv) > 1:
+    {"failing-save": failing_save_main}[sys.argv[1]](sys.argv[1:])
