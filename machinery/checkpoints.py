@@ -7,10 +7,11 @@ without executing anything from the folder. A reader of the method may skip this
         trainer_state.pt         rank 0's progress, arguments, replay deque and RNG states; -rankR.pt for rank R
 
 Only the newest checkpoint is full. Once a new one is on the disk (every file and folder flushed) and renamed into
-place, every older one that --keep-last keeps is
-reduced to its policy model folder (weights, config.json, generation_config.json, tokenizer files: what eval.py and
-vLLM load): a resume needs only the newest, and the older ones are kept for evaluation. So a save's peak on disk is
-two full checkpoints (the new one and the last) plus keep_last - 2 model folders, and between saves one full
+place, every older one that --keep-last keeps is reduced to its policy model folder (weights, config.json,
+generation_config.json, tokenizer files: what eval.py and vLLM load), its weights cast to the base model's dtype
+(machinery.weightcast; the newest keeps the fp32 master weights, so a resume is exact): a resume needs only the
+newest, and the older ones are kept for evaluation. So a save's peak on disk is two full checkpoints (the new one and
+the last) plus keep_last - 1 model folders (every earlier save's with --keep-last 0), and between saves one full
 checkpoint and keep_last - 1 model folders.
 
 Every .pt file holds only tensors, numbers, strings, lists, tuples and dicts, and is read with torch's
@@ -32,7 +33,7 @@ import sys
 import numpy as np
 import torch
 
-from machinery import dist, inputs, runfolder, safeload, statecheck
+from machinery import dist, inputs, runfolder, safeload, statecheck, weightcast
 from machinery.messages import fail, say
 
 FORMAT = 2  # 1: optimizers in torch.distributed.checkpoint's format, trainer state pickled (no longer read)
@@ -129,7 +130,7 @@ def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer
             _delete(tmp)
         fail(f"cannot write checkpoint {final}: {errors[0]}; the previous checkpoints are intact")
     if dist.rank() == 0:
-        prune(out, step, keep_last)
+        prune(out, step, keep_last, weightcast.base_dtype(trainer_state.get("args", {}).get("model")))
     dist.barrier()
     return final
 
@@ -214,11 +215,11 @@ def complete(out: str) -> list[str]:
     return [p for p in named(out) if is_full(p)]
 
 
-def prune(out: str, step: int, keep_last: int):
+def prune(out: str, step: int, keep_last: int, dtype: torch.dtype = torch.float32):
     """--keep-last: the new checkpoint-STEP and the keep_last - 1 newest checkpoints before it stay (full or model
-    folders; 0 keeps all), each older one reduced to its policy's model folder (reduce); only folders named older than
-    STEP are touched (a copy named checkpoint-999999999999 is never newer than the run's own, and never deleted),
-    with what an interrupted delete left. Links are never followed or removed."""
+    folders; 0 keeps all), each older one reduced to its policy's model folder in dtype (reduce); only folders named
+    older than STEP are touched (a copy named checkpoint-999999999999 is never newer than the run's own, and never
+    deleted), with what an interrupted delete left. Links are never followed or removed."""
     older = [p for p in named(out) if step_of(p) < step and not os.path.islink(p)]
     if keep_last <= 0:
         kept = older
@@ -228,21 +229,22 @@ def prune(out: str, step: int, keep_last: int):
         if folder not in kept:
             remove(folder)
     for folder in kept:
-        reduce(folder)
+        reduce(folder, dtype)
 
 
-def reduce(folder: str):
+def reduce(folder: str, dtype: torch.dtype = torch.float32):
     """A full checkpoint down to its policy's model folder, crash-safely: its training parts are renamed into a new
-    .trash-* folder, rank 0's trainer state first, then deleted. A kill at any point leaves a folder that is no
-    longer a resume's candidate (no trainer_state.pt) and still a whole model folder; what it still holds beyond that
-    goes at the next save (prune reduces again), and the .trash-* folder at the next save or resume."""
+    .trash-* folder, rank 0's trainer state first, then deleted; then its weights are cast to dtype (weightcast). A
+    kill at any point leaves a folder that is no longer a resume's candidate (no trainer_state.pt) and still a whole
+    model folder; what it still holds beyond that goes at the next save (prune reduces again), and the .trash-*
+    folder at the next save or resume."""
     parts = training_parts(folder)
-    if not parts:
-        return
-    trash = runfolder.fresh_folder(os.path.dirname(folder), ".trash-")
-    for index, path in enumerate(parts):
-        runfolder.replace(path, os.path.join(trash, f"{index}-{os.path.basename(path)}"))
-    _delete(trash)
+    if parts:
+        trash = runfolder.fresh_folder(os.path.dirname(folder), ".trash-")
+        for index, path in enumerate(parts):
+            runfolder.replace(path, os.path.join(trash, f"{index}-{os.path.basename(path)}"))
+        _delete(trash)
+    weightcast.cast_folder(folder, dtype)
 
 
 def remove(path: str):

@@ -139,6 +139,32 @@ def test_keep_last_counts_model_folders_and_keeps_one_full_checkpoint(tmp_path):
     assert checkpoints.complete(str(out)) == [str(out / "checkpoint-5")]
 
 
+@pytest.mark.parametrize("keep", [3, 1, 0])
+def test_a_saves_peak_is_two_full_checkpoints_and_keep_last_minus_one_model_folders(keep, tmp_path, monkeypatch):
+    """The module docstring's arithmetic against what the saves leave: at a save's peak (the new checkpoint in place,
+    nothing pruned yet) two full checkpoints and keep_last - 1 model folders (every earlier one with 0), between
+    saves one full checkpoint and keep_last - 1 model folders."""
+    out, real_prune, seen = tmp_path / "run", checkpoints.prune, []
+
+    def census(when: str):
+        folders = checkpoints.named(str(out))
+        full = [f for f in folders if checkpoints.is_full(f)]
+        seen.append((when, len(full), len([f for f in folders if f not in full and checkpoints.is_model_folder(f)])))
+
+    def prune(*args):
+        census("peak")
+        return real_prune(*args)
+
+    monkeypatch.setattr(checkpoints, "prune", prune)
+    for step in range(1, 6):
+        save(out, step, keep_last=keep)
+        census("between")
+    kept = (lambda n: n) if keep == 0 else (lambda n: min(n, keep - 1))  # model folders among n older ones
+    expected = [(when, full, kept(older)) for step in range(1, 6)
+                for when, full, older in (("peak", min(step, 2), max(step - 2, 0)), ("between", 1, step - 1))]
+    assert seen == expected
+
+
 def top_level_bytes(folder: Path, leave_out=("trainer_state",)) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and not p.name.startswith(leave_out))
 
@@ -159,9 +185,9 @@ def test_a_default_like_schedule_keeps_one_full_state_and_model_folders_that_eva
     real_save, real_prune = checkpoints.save, checkpoints.prune
     policy_files, policy_bytes, after, peaks = {}, {}, [], []
 
-    def prune(run, step, keep_last):  # the peak: the new checkpoint renamed into place, the older ones as they were
+    def prune(run, step, *rest):  # the peak: the new checkpoint renamed into place, the older ones as they were
         peaks.append((step, sum(all_bytes(p) for p in out.glob("checkpoint-*"))))
-        return real_prune(run, step, keep_last)
+        return real_prune(run, step, *rest)
 
     def save(run, step, *rest):
         folder = Path(real_save(run, step, *rest))
@@ -260,7 +286,7 @@ def test_a_resume_skips_a_misnamed_copy_and_a_link_in_one_line_each_and_clears_l
 
 
 # ----------------------------------------------------------------------------------------------
-# A checkpoint counts once it is on the disk
+# A checkpoint counts once it is on the disk; older ones in the base model's dtype
 # ----------------------------------------------------------------------------------------------
 def policy_of(source: str):
     """A model loaded as a run's policy is (fp32 master weights, unsharded here), and its tokenizer."""
@@ -313,6 +339,124 @@ def test_a_new_checkpoint_is_on_the_disk_before_the_previous_ones_training_state
     assert ("fsync", inode(out)) in events[put:strip]  # the rename itself, before the strip
     assert entries(out / "checkpoint-1") == sorted(p.name for p in new if p.is_file() and p.parent == new[0]
                                                    and p.name != "trainer_state.pt")
+
+
+def checkpoint_weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def nudged(policy):
+    """The policy after a step: its fp32 weights moved by about 1e-3, to values bf16 cannot hold exactly."""
+    with torch.no_grad():
+        for weight in policy.parameters():
+            weight.add_(torch.randn_like(weight) * 1e-3)
+    return policy
+
+
+def test_an_older_checkpoint_is_cast_to_the_base_models_dtype_and_the_newest_keeps_fp32(tiny_bf16_model, tmp_path):
+    """A bf16 base: once checkpoint-2 is saved, checkpoint-1's weights are its fp32 weights cast to bf16 (about half
+    the bytes) and its config.json says bfloat16; checkpoint-2 holds the policy's fp32 weights exactly. A loader
+    (transformers, as eval.py's hf sampler loads it) reads the cast folder; the checks a resume makes pass."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from machinery import safeload
+
+    out = tmp_path / "run"
+    torch.manual_seed(0)
+    policy, tokenizer = policy_of(tiny_bf16_model)
+    save_policy(out, 1, 2, nudged(policy), tokenizer, tiny_bf16_model)
+    fp32, fp32_bytes = checkpoint_weights(out / "checkpoint-1"), (out / "checkpoint-1" / "model.safetensors").stat().st_size
+    save_policy(out, 2, 2, nudged(policy), tokenizer, tiny_bf16_model)
+    older, newest = checkpoint_weights(out / "checkpoint-1"), checkpoint_weights(out / "checkpoint-2")
+    assert set(older) == set(fp32) and all(older[k].dtype == torch.bfloat16 for k in older)
+    assert all(torch.equal(older[k], fp32[k].to(torch.bfloat16)) for k in fp32)
+    assert any(not torch.equal(older[k].float(), fp32[k]) for k in fp32)  # the cast rounded: it was no copy
+    trained = policy.state_dict()
+    assert all(newest[k].dtype == torch.float32 and torch.equal(newest[k], trained[k]) for k in newest)
+    size = (out / "checkpoint-1" / "model.safetensors").stat().st_size
+    assert abs(size - fp32_bytes / 2) < 0.01 * fp32_bytes
+    with safe_open(str(out / "checkpoint-1" / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # transformers' own mark, kept
+    assert json.loads((out / "checkpoint-1" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((out / "checkpoint-2" / "config.json").read_text())["dtype"] == "float32"
+    assert [p for p in entries(out) if not p.startswith("checkpoint-")] == []  # no .trash-* left
+    loaded = AutoModelForCausalLM.from_pretrained(str(out / "checkpoint-1"), dtype=torch.float32).state_dict()
+    assert all(torch.equal(loaded[k], older[k].float()) for k in older)
+    safeload.check_weights(str(out / "checkpoint-1"), *safeload.model_parameters(str(out / "checkpoint-1"))[::2])
+
+
+@pytest.mark.parametrize("where", ["writing-the-cast-file", "before-config-json"])
+def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_next_save_finishes(
+        where, tiny_bf16_model, tmp_path, monkeypatch):
+    """The kill lands while checkpoint-1's bf16 file is half written (its fp32 file is untouched and loads), or after
+    it replaced the fp32 one but before config.json says so (the bf16 file is whole): checkpoint-1 is a model folder
+    either way, and the next save finishes the cast and deletes what the kill left."""
+    from machinery import weightcast
+
+    out = tmp_path / "run"
+    policy, tokenizer = policy_of(tiny_bf16_model)
+    save_policy(out, 1, 3, nudged(policy), tokenizer, tiny_bf16_model)
+    fp32 = (out / "checkpoint-1" / "model.safetensors").read_bytes()
+    real_write = weightcast.write_cast
+
+    class KilledMidway:  # the open fp32 file, whose third tensor is never read: the process dies there
+        def __init__(self, weights):
+            self.weights, self.read = weights, 0
+
+        def __getattr__(self, name):
+            return getattr(self.weights, name)
+
+        def get_tensor(self, name):
+            self.read += 1
+            if self.read == 3:
+                raise KeyboardInterrupt
+            return self.weights.get_tensor(name)
+
+    if where == "writing-the-cast-file":
+        monkeypatch.setattr(weightcast, "write_cast", lambda weights, *rest: real_write(KilledMidway(weights), *rest))
+    else:
+        monkeypatch.setattr(weightcast, "state_dtype", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        save_policy(out, 2, 3, nudged(policy), tokenizer, tiny_bf16_model)
+    monkeypatch.undo()
+    assert not (out / "checkpoint-1" / "trainer_state.pt").exists() and checkpoints.is_model_folder(
+        str(out / "checkpoint-1"))
+    weights = checkpoint_weights(out / "checkpoint-1")  # whole: it loads
+    if where == "writing-the-cast-file":
+        assert (out / "checkpoint-1" / "model.safetensors").read_bytes() == fp32
+        assert len([p for p in entries(out) if p.startswith(".trash-")]) == 1  # the half-written file, aside
+    else:
+        assert all(w.dtype == torch.bfloat16 for w in weights.values())
+        assert json.loads((out / "checkpoint-1" / "config.json").read_text())["dtype"] == "float32"
+    save_policy(out, 3, 3, nudged(policy), tokenizer, tiny_bf16_model)
+    assert entries(out) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    for k in (1, 2):
+        assert all(w.dtype == torch.bfloat16 for w in checkpoint_weights(out / f"checkpoint-{k}").values())
+        assert json.loads((out / f"checkpoint-{k}" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_bf16_bases_run_keeps_bf16_model_folders_that_eval_reads_and_a_new_run_starts_from(tiny_bf16_model,
+                                                                                            train_file, tmp_path):
+    """A run of a bf16 base with --keep-last 3: checkpoint-1 and -2 in bf16, the newest in fp32; eval.py (vLLM) on
+    checkpoint-1, and a new run from it (what the line for a damaged only training state offers)."""
+    out = tmp_path / "run"
+    remix.train(tiny_args(tiny_bf16_model, train_file, out, algo="grpo", group_size=2, prompts_per_step=4,
+                          max_response_tokens=8, steps=3, save_every=1, keep_last=3))
+    for step, dtype in ((1, torch.bfloat16), (2, torch.bfloat16), (3, torch.float32)):
+        assert {w.dtype for w in checkpoint_weights(out / f"checkpoint-{step}").values()} == {dtype}, step
+    assert checkpoints.complete(str(out)) == [str(out / "checkpoint-3")]
+    done = run_remix("--model", str(out / "checkpoint-1"), "--benchmarks", "aime24", "--limit", "2", "--max-tokens",
+                     "8", "--out", str(tmp_path / "eval"), program="eval.py")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len((tmp_path / "eval" / "samples.jsonl").read_text().splitlines()) == 2
+    again = run_remix(*tiny_cli(str(out / "checkpoint-1"), train_file, tmp_path / "again", "--steps", "1"))
+    assert again.returncode == 0 and (tmp_path / "again" / "checkpoint-1" / "trainer_state.pt").is_file(), \
+        again.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------------------------
