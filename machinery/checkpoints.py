@@ -20,8 +20,9 @@ safetensors (machinery.safeload reads them). Every file is checked before it is 
 block), its fields and shapes against what save() writes (machinery.statecheck), each model's weights against its
 config. A damaged,
 tampered, misnamed (the step is what trainer_state.pt says) or linked checkpoint is named in one line, and --resume
-falls back to the previous full one if there is one (a kill during a reduction can leave one). Deletes and
-reductions are crash-safe: what goes is renamed into a .trash-* folder first (trainer_state.pt first), then removed.
+falls back to the previous full one if there is one (a kill during a reduction can leave one); the only one holding
+a training state is left as it is, the line saying what can be done. Deletes and reductions are crash-safe: what goes
+is renamed into a .trash-* folder first (trainer_state.pt first), then removed.
 """
 
 import glob
@@ -309,7 +310,9 @@ def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
 def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
     """For --resume: the newest checkpoint every rank can read, with this rank's trainer state and optimizer shard.
     A damaged, tampered, misnamed or linked newest checkpoint is named in one line and the previous full one is
-    used, saying so; where there is none (the older ones are model folders), one line says what to do. defaults: the arguments' defaults (check_state). What a killed save or prune left is deleted."""
+    used, saying so (a file the safe loader refuses stops the resume instead: it may be tampered with); where there
+    is none (the older ones are model folders), one line says what can be done, and nothing is deleted. defaults:
+    the arguments' defaults (check_state). What a killed save or prune left is deleted."""
     if not os.path.isdir(out):
         fail(f"--resume {out!r}: no such run folder")
     if dist.rank() == 0:
@@ -330,7 +333,10 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
             state, optim, problem = None, None, ("damaged", str(error))
         problems = [p for p in dist.all_gather(problem) if p]
         refused = [text for kind, text in problems if kind == "refused"]
-        if refused:
+        earlier = [f for f in found if step_of(f) < step_of(folder)]
+        if problems and not earlier and folder == found[-1]:  # the run's only training state: never deleted
+            fail(only_state_line(out, folder, (refused or [problems[0][1]])[0]))
+        if refused and earlier:
             fail(f"--resume {out!r}: {refused[0]}. If this folder is yours, remove {folder} to resume from the "
                  f"checkpoint before it")
         if not problems:
@@ -339,16 +345,24 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
                      f"{dist.world()}; resume it with torchrun --nproc-per-node {state['world_size']} (or python "
                      f"for 1)")
             return folder, state, optim
-        earlier = [f for f in found if step_of(f) < step_of(folder)]
-        if not earlier and folder == found[-1]:  # the only full one: the older ones were reduced to model folders
-            models = [p for p in named(out) if step_of(p) < step_of(folder) and is_model_folder(p)]
-            fail(f"--resume {out!r}: {problems[0][1]}; no earlier checkpoint holds a training state"
-                 + (f" (the older ones are the policy's model folder alone): restore {folder} from a copy, or start "
-                    f"a new run with --model {models[-1]} and another --out" if models else
-                    f": restore {folder} from a copy, or start a new run with another --out"))
-        say(f"--resume: {problems[0][1]}; " + (f"resuming from {earlier[-1]} instead" if earlier else
-                                                    "no earlier checkpoint to fall back to"))
+        say(f"--resume: {(refused or [problems[0][1]])[0]}; " + (f"resuming from {earlier[-1]} instead" if earlier
+                                                                  else "no earlier checkpoint to fall back to"))
     fail(f"--resume {out!r}: no checkpoint can be read (see above); start a new run with another --out")
+
+
+def only_state_line(out: str, folder: str, problem: str) -> str:
+    """The line for the newest checkpoint when it cannot be resumed and no earlier one holds a training state (the
+    older ones were reduced to model folders): nothing is deleted, since it may hold the run's only optimizer state;
+    the line says what can be done, and what a new run from an older model folder starts without."""
+    models = [p for p in named(out) if step_of(p) < step_of(folder) and is_model_folder(p)]
+    held = ("the optimizers' moments, " + ("the critic, " if os.path.isdir(os.path.join(folder, "critic")) else "")
+            + "the replay deque, the RNG states, the step and the place in the data")
+    restore = ("put the run's own checkpoint back" if os.path.islink(folder) else "restore the file from a copy")
+    instead = (f"or continue from the policy saved at step {step_of(models[-1])} as a new run (--model {models[-1]} "
+               f"and another --out), which starts without them and with that policy as its KL reference" if models
+               else "or start a new run with another --out")
+    return (f"--resume {out!r}: {problem}; no earlier checkpoint holds a training state ({held}), so {folder} is left "
+            f"as it is: {restore} and resume again, {instead}")
 
 
 def typed_flags(argv: list[str] | None = None) -> set[str]:

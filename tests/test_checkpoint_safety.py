@@ -11,6 +11,7 @@ context is shorter than the run needs, and a hub generation config that transfor
 import dataclasses
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -230,9 +231,11 @@ def test_a_default_like_schedule_keeps_one_full_state_and_model_folders_that_eva
         checkpoints.latest(str(out), DEFAULTS)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("remix: error: --resume"), err
-    assert err[0].endswith(f"no earlier checkpoint holds a training state (the older ones are the policy's model "
-                           f"folder alone): restore {out / 'checkpoint-4'} from a copy, or start a new run with --model "
-                           f"{out / 'checkpoint-3'} and another --out"), err
+    assert err[0].endswith(f"no earlier checkpoint holds a training state (the optimizers' moments, the critic, the "
+                           f"replay deque, the RNG states, the step and the place in the data), so "
+                           f"{out / 'checkpoint-4'} is left as it is: restore the file from a copy and resume again, or "
+                           f"continue from the policy saved at step 3 as a new run (--model {out / 'checkpoint-3'} and "
+                           f"another --out), which starts without them and with that policy as its KL reference"), err
 
 
 def test_keep_last_never_deletes_the_new_checkpoint_nor_a_folder_named_newer(tmp_path):
@@ -597,6 +600,66 @@ def test_when_no_checkpoint_is_left_the_resume_stops_in_one_line(finished, tmp_p
         checkpoints.latest(str(out), DEFAULTS)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "no checkpoint can be read" in err[0], err
+
+
+GARBLED = {  # a file of the only full checkpoint, and what it is made: each is named, none is deleted or advised to be
+    "state-random-bytes": ("trainer_state.pt", lambda b: random.Random(1).randbytes(len(b))),
+    "state-truncated": ("trainer_state.pt", lambda b: b[:200]),
+    "state-zeroed-middle": ("trainer_state.pt", lambda b: b[:len(b) // 2] + bytes(1000) + b[len(b) // 2 + 1000:]),
+    "optimizer-random-bytes": ("optim/rank-0.pt", lambda b: random.Random(2).randbytes(len(b))),
+}
+
+
+@pytest.mark.parametrize("older", ["model-folder", "none"])
+@pytest.mark.parametrize("garbled", GARBLED)
+def test_a_garbled_file_in_the_only_full_checkpoint_is_left_and_the_line_says_what_can_be_done(garbled, older,
+                                                                                              finished, tmp_path,
+                                                                                              capsys):
+    """checkpoint-2 holds the run's only training state (checkpoint-1 reduced to its model folder, or gone, as with
+    --keep-last 1): whether the safe loader refuses the garbled file or finds it damaged, the line names it, leaves
+    every file as it was, never says to remove it, and says what can be done: restore it, or a new run from the
+    older model folder, naming what that run starts without."""
+    out = copy_of(finished, tmp_path)
+    runfolder.writes_into(str(out))
+    if older == "model-folder":
+        checkpoints.reduce(str(out / "checkpoint-1"))
+    else:
+        shutil.rmtree(out / "checkpoint-1")
+    name, garble = GARBLED[garbled]
+    (out / "checkpoint-2" / name).write_bytes(garble((out / "checkpoint-2" / name).read_bytes()))
+    before = {entry: digests(out / entry) for entry in entries(out) if entry.startswith("checkpoint-")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        checkpoints.latest(str(out), DEFAULTS)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and str(out / "checkpoint-2" / name) in err[0], err
+    assert {entry: digests(out / entry) for entry in entries(out) if entry.startswith("checkpoint-")} == before
+    assert "remove" not in err[0] and "delete" not in err[0], err
+    assert f"; no earlier checkpoint holds a training state (the optimizers' moments, the critic, the replay deque, " \
+           f"the RNG states, the step and the place in the data), so {out / 'checkpoint-2'} is left as it is: restore " \
+           f"the file from a copy and resume again, " in err[0], err
+    assert err[0].endswith(f"or continue from the policy saved at step 1 as a new run (--model {out / 'checkpoint-1'} "
+                           f"and another --out), which starts without them and with that policy as its KL reference"
+                           if older == "model-folder" else "or start a new run with another --out"), err
+
+
+def test_a_link_in_place_of_the_only_full_checkpoint_is_left_and_named(finished, tmp_path, capsys):
+    """The newest checkpoint-STEP is a symbolic link (to a whole copy elsewhere) and the older one a model folder: the
+    line names the link, and offers the run's own checkpoint put back or a new run; the link and its target stay."""
+    out, elsewhere = copy_of(finished, tmp_path), tmp_path / "elsewhere"
+    runfolder.writes_into(str(out))
+    checkpoints.reduce(str(out / "checkpoint-1"))
+    shutil.move(out / "checkpoint-2", elsewhere)
+    (out / "checkpoint-2").symlink_to(elsewhere, target_is_directory=True)
+    before = digests(elsewhere)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        checkpoints.latest(str(out), DEFAULTS)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{out / 'checkpoint-2'} is a symbolic link" in err[0], err
+    assert f"is left as it is: put the run's own checkpoint back and resume again, or continue from the policy saved " \
+           f"at step 1 as a new run (--model {out / 'checkpoint-1'} and another --out)" in err[0], err
+    assert (out / "checkpoint-2").is_symlink() and digests(elsewhere) == before
 
 
 @pytest.mark.long
