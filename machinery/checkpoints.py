@@ -6,10 +6,12 @@ without executing anything from the folder. A reader of the method may skip this
         optim/rank-R.pt          each rank's shard of both optimizers' state: tensors and numbers only
         trainer_state.pt         rank 0's progress, arguments, replay deque and RNG states; -rankR.pt for rank R
 
-Only the newest checkpoint is full. Once a new one is renamed into place, every older one that --keep-last keeps is
-reduced to its policy model folder (weights, config.json, generation_config.json, tokenizer files: what eval.py and
-vLLM load): a resume needs only the newest, and the older ones are kept for evaluation. So a save's peak on disk is
-two full checkpoints (the new one and the last) plus keep_last - 2 model folders, and between saves one full
+Only the newest checkpoint is full. Once a new one is on the disk (every file and folder flushed) and renamed into
+place, every older one that --keep-last keeps is reduced to its policy model folder (weights, config.json,
+generation_config.json, tokenizer files: what eval.py and vLLM load), its weights cast to the base model's dtype
+(machinery.weightcast; the newest keeps the fp32 master weights, so a resume is exact): a resume needs only the
+newest, and the older ones are kept for evaluation. So a save's peak on disk is two full checkpoints (the new one and
+the last) plus keep_last - 1 model folders (every earlier save's with --keep-last 0), and between saves one full
 checkpoint and keep_last - 1 model folders.
 
 Every .pt file holds only tensors, numbers, strings, lists, tuples and dicts, and is read with torch's
@@ -18,8 +20,9 @@ safetensors (machinery.safeload reads them). Every file is checked before it is 
 block), its fields and shapes against what save() writes (machinery.statecheck), each model's weights against its
 config. A damaged,
 tampered, misnamed (the step is what trainer_state.pt says) or linked checkpoint is named in one line, and --resume
-falls back to the previous full one if there is one (a kill during a reduction can leave one). Deletes and
-reductions are crash-safe: what goes is renamed into a .trash-* folder first (trainer_state.pt first), then removed.
+falls back to the previous full one if there is one (a kill during a reduction can leave one); the only one holding
+a training state is left as it is, the line saying what can be done. Deletes and reductions are crash-safe: what goes
+is renamed into a .trash-* folder first (trainer_state.pt first), then removed.
 """
 
 import glob
@@ -31,7 +34,7 @@ import sys
 import numpy as np
 import torch
 
-from machinery import dist, inputs, runfolder, safeload, statecheck
+from machinery import dist, inputs, runfolder, safeload, statecheck, weightcast
 from machinery.messages import fail, say
 
 FORMAT = 2  # 1: optimizers in torch.distributed.checkpoint's format, trainer state pickled (no longer read)
@@ -92,10 +95,13 @@ def load_optimizer_shard(model, optim, shard: dict):
 
 
 def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer_state: dict, keep_last: int) -> str:
-    """OUT/checkpoint-STEP (the layout above). Every rank writes into a temporary folder, renamed only once all have
-    written; a failed write (a full disk, a read-only folder), whatever the writer raises, removes it, keeps the
-    previous checkpoints and stops the run with one line. Then --keep-last prunes the older ones and reduces those it
-    keeps to model folders (prune)."""
+    """OUT/checkpoint-STEP (the layout above). Every rank writes into a temporary folder; rank 0 alone writes the model
+    folders, and a failure there reaches every rank before the next model is gathered, so none goes on into a
+    collective the others have left. A failed write (a full disk, a read-only folder), whatever the writer raises,
+    removes the temporary folder, keeps the previous checkpoints and stops every rank with one line. Once all have
+    written, every file and folder of it is flushed to the disk, it is renamed into place and --out flushed: only
+    then does it count, and only then does --keep-last prune the older ones and strip the previous one's training
+    state (prune)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
@@ -104,41 +110,70 @@ def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer
         clear_leftovers(out)
     dist.barrier()
     error = None
-    try:
-        for name, model in models.items():
-            if model is None:
-                continue
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if dist.rank() == 0:
-                folder = tmp if name == "policy" else os.path.join(tmp, name)
-                runfolder.makedirs(folder)  # new (leftovers were cleared): nothing in it is a link
-                model.save_pretrained(folder, state_dict=full)
-                if name == "policy":
-                    tokenizer.save_pretrained(folder)
-            del full  # before the next model's is gathered: one whole fp32 model on the host at a time
-        runfolder.makedirs(os.path.join(tmp, "optim"))
-        with runfolder.open_file(optim_file(tmp, dist.rank()), "wb") as f:
-            torch.save({name: optimizer_shard(models[name], optim) for name, optim in optimizers.items()
-                        if optim is not None}, f)
-        with runfolder.open_file(state_file(tmp, dist.rank()), "wb") as f:
-            torch.save({**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT}, f)
-    except Exception as caught:  # OSError, safetensors' SafetensorError, torch's RuntimeError: the same line
-        error = f"{getattr(caught, 'strerror', None) or str(caught).splitlines()[0] or type(caught).__name__}"
+    for name, model in models.items():
+        if model is None:
+            continue
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.rank() == 0:
+            error = failure(write_model, tmp, name, model, full, tokenizer)
+        del full  # before the next model's is gathered: one whole fp32 model on the host at a time
+        error = dist.broadcast(error)  # rank 0's failure, on every rank before the next gather
+        if error:
+            break
+    if error is None:
+        error = failure(write_rank_files, tmp, models, optimizers, trainer_state)
     errors = [e for e in dist.all_gather(error) if e]
+    if not errors:  # every rank has written: rank 0 puts the checkpoint in place
+        placed = failure(put_in_place, out, tmp, final) if dist.rank() == 0 else None
+        errors = [e for e in [dist.broadcast(placed)] if e]
     if errors:
         if dist.rank() == 0:
             _delete(tmp)
         fail(f"cannot write checkpoint {final}: {errors[0]}; the previous checkpoints are intact")
-    dist.barrier()
     if dist.rank() == 0:
-        if os.path.islink(final):
-            say(f"{final} was a symbolic link: replaced by this run's checkpoint (what it pointed to is untouched)")
-        if os.path.lexists(final):  # this step saved before (a resume from an earlier checkpoint): the new one wins
-            remove(final)
-        runfolder.replace(tmp, final)
-        prune(out, step, keep_last)
+        prune(out, step, keep_last, weightcast.base_dtype(trainer_state.get("args", {}).get("model")))
     dist.barrier()
     return final
+
+
+def failure(write, *args) -> str | None:
+    """None when write(*args) succeeds, else what went wrong in a few words: an OSError's reason, the first line of
+    anything else (safetensors' SafetensorError, torch's RuntimeError)."""
+    try:
+        write(*args)
+    except Exception as caught:
+        return getattr(caught, "strerror", None) or (str(caught).splitlines() or [""])[0] or type(caught).__name__
+    return None
+
+
+def write_model(tmp: str, name: str, model, full: dict, tokenizer):
+    """Rank 0: one model's folder in the new checkpoint, from its gathered weights (the policy's with the tokenizer)."""
+    folder = tmp if name == "policy" else os.path.join(tmp, name)
+    runfolder.makedirs(folder)  # new (leftovers were cleared): nothing in it is a link
+    model.save_pretrained(folder, state_dict=full)
+    if name == "policy":
+        tokenizer.save_pretrained(folder)
+
+
+def write_rank_files(tmp: str, models: dict, optimizers: dict, trainer_state: dict):
+    """This rank's optimizer shard and trainer state."""
+    runfolder.makedirs(os.path.join(tmp, "optim"))
+    with runfolder.open_file(optim_file(tmp, dist.rank()), "wb") as f:
+        torch.save({name: optimizer_shard(models[name], optim) for name, optim in optimizers.items()
+                    if optim is not None}, f)
+    with runfolder.open_file(state_file(tmp, dist.rank()), "wb") as f:
+        torch.save({**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT}, f)
+
+
+def put_in_place(out: str, tmp: str, final: str):
+    """Rank 0, once every rank has written: the new checkpoint on the disk, then renamed into place."""
+    runfolder.sync_tree(tmp)  # every rank's files and the folders, before the checkpoint counts
+    if os.path.islink(final):
+        say(f"{final} was a symbolic link: replaced by this run's checkpoint (what it pointed to is untouched)")
+    if os.path.lexists(final):  # this step saved before (a resume from an earlier checkpoint): the new one wins
+        remove(final)
+    runfolder.replace(tmp, final)
+    runfolder.sync_folder(out)  # the rename itself
 
 
 def step_of(folder: str) -> int:
@@ -181,11 +216,11 @@ def complete(out: str) -> list[str]:
     return [p for p in named(out) if is_full(p)]
 
 
-def prune(out: str, step: int, keep_last: int):
+def prune(out: str, step: int, keep_last: int, dtype: torch.dtype = torch.float32):
     """--keep-last: the new checkpoint-STEP and the keep_last - 1 newest checkpoints before it stay (full or model
-    folders; 0 keeps all), each older one reduced to its policy's model folder (reduce); only folders named older than
-    STEP are touched (a copy named checkpoint-999999999999 is never newer than the run's own, and never deleted),
-    with what an interrupted delete left. Links are never followed or removed."""
+    folders; 0 keeps all), each older one reduced to its policy's model folder in dtype (reduce); only folders named
+    older than STEP are touched (a copy named checkpoint-999999999999 is never newer than the run's own, and never
+    deleted), with what an interrupted delete left. Links are never followed or removed."""
     older = [p for p in named(out) if step_of(p) < step and not os.path.islink(p)]
     if keep_last <= 0:
         kept = older
@@ -195,21 +230,22 @@ def prune(out: str, step: int, keep_last: int):
         if folder not in kept:
             remove(folder)
     for folder in kept:
-        reduce(folder)
+        reduce(folder, dtype)
 
 
-def reduce(folder: str):
+def reduce(folder: str, dtype: torch.dtype = torch.float32):
     """A full checkpoint down to its policy's model folder, crash-safely: its training parts are renamed into a new
-    .trash-* folder, rank 0's trainer state first, then deleted. A kill at any point leaves a folder that is no
-    longer a resume's candidate (no trainer_state.pt) and still a whole model folder; what it still holds beyond that
-    goes at the next save (prune reduces again), and the .trash-* folder at the next save or resume."""
+    .trash-* folder, rank 0's trainer state first, then deleted; then its weights are cast to dtype (weightcast). A
+    kill at any point leaves a folder that is no longer a resume's candidate (no trainer_state.pt) and still a whole
+    model folder; what it still holds beyond that goes at the next save (prune reduces again), and the .trash-*
+    folder at the next save or resume."""
     parts = training_parts(folder)
-    if not parts:
-        return
-    trash = runfolder.fresh_folder(os.path.dirname(folder), ".trash-")
-    for index, path in enumerate(parts):
-        runfolder.replace(path, os.path.join(trash, f"{index}-{os.path.basename(path)}"))
-    _delete(trash)
+    if parts:
+        trash = runfolder.fresh_folder(os.path.dirname(folder), ".trash-")
+        for index, path in enumerate(parts):
+            runfolder.replace(path, os.path.join(trash, f"{index}-{os.path.basename(path)}"))
+        _delete(trash)
+    weightcast.cast_folder(folder, dtype)
 
 
 def remove(path: str):
@@ -274,7 +310,9 @@ def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
 def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
     """For --resume: the newest checkpoint every rank can read, with this rank's trainer state and optimizer shard.
     A damaged, tampered, misnamed or linked newest checkpoint is named in one line and the previous full one is
-    used, saying so; where there is none (the older ones are model folders), one line says what to do. defaults: the arguments' defaults (check_state). What a killed save or prune left is deleted."""
+    used, saying so (a file the safe loader refuses stops the resume instead: it may be tampered with); where there
+    is none (the older ones are model folders), one line says what can be done, and nothing is deleted. defaults:
+    the arguments' defaults (check_state). What a killed save or prune left is deleted."""
     if not os.path.isdir(out):
         fail(f"--resume {out!r}: no such run folder")
     if dist.rank() == 0:
@@ -295,7 +333,10 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
             state, optim, problem = None, None, ("damaged", str(error))
         problems = [p for p in dist.all_gather(problem) if p]
         refused = [text for kind, text in problems if kind == "refused"]
-        if refused:
+        earlier = [f for f in found if step_of(f) < step_of(folder)]
+        if problems and not earlier and folder == found[-1]:  # the run's only training state: never deleted
+            fail(only_state_line(out, folder, (refused or [problems[0][1]])[0]))
+        if refused and earlier:
             fail(f"--resume {out!r}: {refused[0]}. If this folder is yours, remove {folder} to resume from the "
                  f"checkpoint before it")
         if not problems:
@@ -304,16 +345,24 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
                      f"{dist.world()}; resume it with torchrun --nproc-per-node {state['world_size']} (or python "
                      f"for 1)")
             return folder, state, optim
-        earlier = [f for f in found if step_of(f) < step_of(folder)]
-        if not earlier and folder == found[-1]:  # the only full one: the older ones were reduced to model folders
-            models = [p for p in named(out) if step_of(p) < step_of(folder) and is_model_folder(p)]
-            fail(f"--resume {out!r}: {problems[0][1]}; no earlier checkpoint holds a training state"
-                 + (f" (the older ones are the policy's model folder alone): restore {folder} from a copy, or start "
-                    f"a new run with --model {models[-1]} and another --out" if models else
-                    f": restore {folder} from a copy, or start a new run with another --out"))
-        say(f"--resume: {problems[0][1]}; " + (f"resuming from {earlier[-1]} instead" if earlier else
-                                                    "no earlier checkpoint to fall back to"))
+        say(f"--resume: {(refused or [problems[0][1]])[0]}; " + (f"resuming from {earlier[-1]} instead" if earlier
+                                                                  else "no earlier checkpoint to fall back to"))
     fail(f"--resume {out!r}: no checkpoint can be read (see above); start a new run with another --out")
+
+
+def only_state_line(out: str, folder: str, problem: str) -> str:
+    """The line for the newest checkpoint when it cannot be resumed and no earlier one holds a training state (the
+    older ones were reduced to model folders): nothing is deleted, since it may hold the run's only optimizer state;
+    the line says what can be done, and what a new run from an older model folder starts without."""
+    models = [p for p in named(out) if step_of(p) < step_of(folder) and is_model_folder(p)]
+    held = ("the optimizers' moments, " + ("the critic, " if os.path.isdir(os.path.join(folder, "critic")) else "")
+            + "the replay deque, the RNG states, the step and the place in the data")
+    restore = ("put the run's own checkpoint back" if os.path.islink(folder) else "restore the file from a copy")
+    instead = (f"or continue from the policy saved at step {step_of(models[-1])} as a new run (--model {models[-1]} "
+               f"and another --out), which starts without them and with that policy as its KL reference" if models
+               else "or start a new run with another --out")
+    return (f"--resume {out!r}: {problem}; no earlier checkpoint holds a training state ({held}), so {folder} is left "
+            f"as it is: {restore} and resume again, {instead}")
 
 
 def typed_flags(argv: list[str] | None = None) -> set[str]:

@@ -41,11 +41,12 @@ class Shape:
     layer_params: int  # one decoder layer's
     root_params: int  # what FSDP2 keeps whole at the root: embeddings, output layer, final norm
     side_bytes: float  # the config and tokenizer files of a model folder
+    kept_weight_bytes: int = 4  # a weight's bytes in an older checkpoint's model folder: the base model's dtype
 
 
 def shape_of(source: str) -> Shape:
     """A model folder, hub id or config.json file, built on the meta device; raises ValueError when unreadable."""
-    from machinery import safeload
+    from machinery import safeload, weightcast
 
     config, policy = safeload.meta_model(source)  # never code from the folder
     critic = safeload.meta_model(source, critic=True)[1]
@@ -57,7 +58,8 @@ def shape_of(source: str) -> Shape:
     return Shape(sum(p.numel() for p in params), sum(p.numel() for p in critic.parameters()), len(params),
                  text.hidden_size, text.num_hidden_layers, text.intermediate_size, text.vocab_size,
                  getattr(text, "num_key_value_heads", heads) * head_size, layer,
-                 sum(p.numel() for p in params) - layer * text.num_hidden_layers, side_files(source))
+                 sum(p.numel() for p in params) - layer * text.num_hidden_layers, side_files(source),
+                 weightcast.weights_dtype(config).itemsize)
 
 
 def side_files(source: str) -> float:
@@ -93,20 +95,22 @@ def replay_bytes(args, world: int) -> float:
 
 
 def disk(shape: Shape, args, world: int) -> dict:
-    """Bytes of a model folder, of a full checkpoint (policy folder, critic/, reference/ once reincarnated,
-    optim/rank-R.pt, trainer_state.pt) and of the peak during a save: the new checkpoint beside the newest full one
-    and the --keep-last - 1 model folders an older checkpoint is reduced to (all the run's with --keep-last 0)."""
-    folder = 4 * shape.params + 100 * shape.tensors + shape.side_bytes
+    """Bytes of a full checkpoint (the policy's folder in fp32, critic/, reference/ once reincarnated,
+    optim/rank-R.pt, trainer_state.pt), of a model folder (an older checkpoint reduced, its weights in the base
+    model's dtype) and of the peak during a save: the new checkpoint beside the newest full one and the
+    --keep-last - 1 model folders (all the run's with --keep-last 0)."""
+    policy = 4 * shape.params + 100 * shape.tensors + shape.side_bytes
+    folder = shape.kept_weight_bytes * shape.params + 100 * shape.tensors + shape.side_bytes
     critic = 4 * shape.critic_params + 100 * shape.tensors + 4e3 if args.algo == "ppo" else 0
     reincarnated = args.reincarnation and args.kl_beta != 0 and args.steps >= args.reincarnate_step
     reference = dtype_bytes(args.precision) * shape.params + 100 * shape.tensors + 4e3 if reincarnated else 0
     trained = shape.params + (shape.critic_params if args.algo == "ppo" else 0)
     optim = 8 * trained + 600 * shape.tensors * (2 if args.algo == "ppo" else 1) * world
     state = world * (replay_bytes(args, world) + STATE_FIXED)
-    full = folder + critic + reference + optim + state
+    full = policy + critic + reference + optim + state
     n = saves(args)
     folders = min(args.keep_last - 1, n - 1) if args.keep_last else n - 1
-    return {"model_folder": folder, "critic": critic, "reference": reference, "optimizer": optim,
+    return {"policy": policy, "model_folder": folder, "critic": critic, "reference": reference, "optimizer": optim,
             "trainer_state": state, "full": full, "saves": n, "kept_folders": folders,
             "peak": 2 * full + folders * folder if n > 1 else full}
 

@@ -263,6 +263,46 @@ def fresh_folder(parent: str, prefix: str) -> str:
                 return os.path.join(parent, name)
 
 
+def sync_tree(folder: str):
+    """Every file and folder under folder, and folder itself, flushed to the disk (fsync): once this returns, a power
+    loss leaves them as they are now. Each is opened from its folder's descriptor without following a link (a link is
+    no file of ours: it is left alone)."""
+    fd = _folder(folder, create=False)
+    try:
+        _sync_inside(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_inside(fd: int):
+    with os.scandir(fd) as entries:
+        found = list(entries)
+    for entry in found:
+        if entry.is_dir(follow_symlinks=False):
+            inner = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            try:
+                _sync_inside(inner)
+            finally:
+                os.close(inner)
+        elif entry.is_file(follow_symlinks=False):
+            handle = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+            try:
+                os.fsync(handle)
+            finally:
+                os.close(handle)
+    os.fsync(fd)  # the folder's entries: the names of what it holds
+
+
+def sync_folder(folder: str):
+    """folder's own entries flushed to the disk (fsync of the folder, not of what is in it): a rename or a new name
+    in it survives a power loss."""
+    fd = _folder(folder, create=False)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def check_tree(folder: str, allowed: tuple = ()):
     """A folder that a library writes into by name (TensorBoard's tb, wandb's): made, and refused (Linked) if it or
     anything inside it is a link (but the allowed names, links the library makes itself), before the library opens

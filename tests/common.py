@@ -22,6 +22,22 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16_model(tiny_model, tmp_path_factory):
+    """The tiny model's folder with its weights in bf16 (config.json says so), as most hub models ship."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-bf16") / "qwen2"
+    AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(str(folder))
+    for name in os.listdir(tiny_model):
+        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(os.path.join(tiny_model, name), folder / name)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
 def train_file(tmp_path_factory):
     """Short problems from the shipped DeepScaleR sample keep the byte-level prompts small."""
     assert TRAIN.exists(), f"training data not found at {TRAIN}; REMIX_DATA points elsewhere"

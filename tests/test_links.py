@@ -31,9 +31,9 @@ WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND"}
 # Calls the walk finds that write nothing under --out, each with why (file, enclosing function, call name):
 ALLOWED = {
     ("machinery/dist.py", "clear_cpu_shm", "os.remove"),  # vLLM's shared-memory files in /dev/shm, never in --out
-    ("machinery/checkpoints.py", "save", "model.save_pretrained"),  # into .tmp-checkpoint-STEP, just made (makedirs)
-    ("machinery/checkpoints.py", "save", "tokenizer.save_pretrained"),  # the same folder
-    ("machinery/checkpoints.py", "save", "torch.save"),  # into a file object runfolder.open_file opened (twice)
+    ("machinery/checkpoints.py", "write_model", "model.save_pretrained"),  # into .tmp-checkpoint-STEP, just made
+    ("machinery/checkpoints.py", "write_model", "tokenizer.save_pretrained"),  # the same folder
+    ("machinery/checkpoints.py", "write_rank_files", "torch.save"),  # into a file runfolder.open_file opened (twice)
     ("machinery/logs.py", "__init__", "SummaryWriter"),  # OUT/tb, made and checked for links by check_tree first
     ("machinery/logs.py", "__init__", "wandb.init"),  # wandb.init(dir=OUT): OUT/wandb checked by check_tree first
     ("machinery/curves.py", "save", "fig.savefig"),  # into a file object runfolder.open_file opened

@@ -51,6 +51,8 @@ def test_the_paper_models_parameters_and_checkpoint_by_hand():
     assert abs(disk["full"] - by_hand) / by_hand < 0.002 and 43e9 < disk["full"] < 44e9
     assert disk["saves"] == 7 and disk["kept_folders"] == 2  # 50, ..., 350; --keep-last 3
     assert disk["peak"] == 2 * disk["full"] + 2 * disk["model_folder"]
+    assert abs(disk["policy"] - 4 * shape.params) < 0.01 * disk["policy"]  # the newest's fp32 master weights
+    assert abs(disk["model_folder"] - 2 * shape.params) < 0.01 * disk["model_folder"]  # older ones: the base's bf16
     assert plan.disk(shape, paper_args(keep_last=0), 1)["peak"] == 2 * disk["full"] + 6 * disk["model_folder"]
     grpo = plan.disk(shape, paper_args(algo="grpo"), 1)
     assert grpo["critic"] == 0 and grpo["optimizer"] < disk["optimizer"] / 1.8
@@ -179,21 +181,24 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def test_the_plans_checkpoint_bytes_match_a_real_runs(tiny_model, train_file, tmp_path):
-    """A PPO run reincarnated at step 1 saves policy, critic, reference, optimizer shards and trainer state; each
-    part's real bytes within 2% of the plan's (the trainer state, the deque at its longest, is an upper bound)."""
+def test_the_plans_checkpoint_bytes_match_a_real_runs(tiny_bf16_model, train_file, tmp_path):
+    """A PPO run of a bf16 base reincarnated at step 1 saves policy, critic, reference, optimizer shards and trainer
+    state; each part's real bytes within 2% of the plan's (the trainer state, the deque at its longest, is an upper
+    bound): the newest policy's fp32 folder, and checkpoint-1 reduced to a model folder in the base's bf16."""
     out = tmp_path / "run"
-    args = tiny_args(tiny_model, train_file, out, algo="ppo", steps=2, save_every=1, reincarnate_step=1, keep_last=0)
+    args = tiny_args(tiny_bf16_model, train_file, out, algo="ppo", steps=2, save_every=1, reincarnate_step=1,
+                     keep_last=0)
     remix.train(args)
-    figures = plan.disk(plan.shape_of(tiny_model), remix.finalize_args(args), 1)
+    figures = plan.disk(plan.shape_of(tiny_bf16_model), remix.finalize_args(args), 1)
     saved = out / "checkpoint-2"
     policy = sum(p.stat().st_size for p in saved.iterdir() if p.is_file() and p.name != "trainer_state.pt")
-    real = {"model_folder": policy, "critic": tree_bytes(saved / "critic"),
+    real = {"policy": policy, "model_folder": tree_bytes(out / "checkpoint-1"), "critic": tree_bytes(saved / "critic"),
             "reference": tree_bytes(saved / "reference"), "optimizer": tree_bytes(saved / "optim"),
             "full": tree_bytes(saved)}
     for part, size in real.items():
         assert abs(figures[part] - size) / size < 0.02, (part, figures[part], size)
     assert (saved / "trainer_state.pt").stat().st_size <= figures["trainer_state"]
+    assert real["model_folder"] < 0.6 * real["policy"]  # bf16 against fp32: about half
 
 
 def measure_step(model: str, algo: str, tokens: int, checkpointing: bool) -> dict:
