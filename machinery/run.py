@@ -266,17 +266,16 @@ class Session:
 
 
 def load_tokenizer(source: str, prog: str = "remix"):
-    """The model's tokenizer, never with code from its folder, checked to fit the model (safeload.check_tokenizer)."""
-    from transformers import AutoConfig, AutoTokenizer
-
+    """The model's tokenizer, never with code from its folder, checked to fit the model (safeload.read_tokenizer):
+    anything transformers raises on it is one line naming the folder and the file."""
     from machinery import safeload
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-        rows = AutoConfig.from_pretrained(source, trust_remote_code=False).get_text_config().vocab_size
-        safeload.check_tokenizer(tokenizer, source, rows)
-    except (OSError, ValueError) as error:  # a folder without a model: OSError, or ValueError from the tokenizer
+        tokenizer, _ = safeload.read_tokenizer(source)
+    except OSError as error:  # a folder without a model, or a hub id out of reach
         fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{flags.offline_hint()}", prog)
+    except ValueError as error:  # safeload names the file
+        fail(f"cannot load model {source!r}: {error}", prog)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

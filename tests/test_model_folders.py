@@ -192,6 +192,26 @@ BAD_FOLDERS = {
                                                                   "chat_template.jinja")],
                      "holds no usable tokenizer (it turns text into no tokens"),
     "more-tokens-than-rows": (more_tokens_than_rows, "tokenizer has 264 tokens and the model's embedding 259 rows"),
+    # what transformers itself raises on a folder (a traceback before): one line naming the file
+    "one-layer-more-than-the-weights": (lambda f: edit_json(f / "config.json", num_hidden_layers=3),
+                                        "config.json does not describe a model (ValueError: `num_hidden_layers` (3) "
+                                        "must be equal to the number of `layer_types` (2))"),
+    "a-size-of-another-type": (lambda f: edit_json(f / "config.json", hidden_size="128"),
+                               "config.json does not describe a model (TypeError: Field 'hidden_size' expected int"),
+    "a-negative-size": (lambda f: edit_json(f / "config.json", intermediate_size=-1),
+                        "config.json does not describe a model (RuntimeError: Trying to create tensor with negative "
+                        "dimension -1"),
+    "no-key-value-heads": (lambda f: edit_json(f / "config.json", num_key_value_heads=0),
+                           "config.json does not describe a model (ZeroDivisionError"),
+    "tokenizer-json-not-json": (lambda f: (f / "tokenizer.json").write_text('{"version": "1.0", '),
+                                "tokenizer.json cannot be read as the model's tokenizer (JSONDecodeError"),
+    "tokenizer-json-of-an-unknown-model": (lambda f: edit_json(f / "tokenizer.json", model={"type": "Nope"}),
+                                           "tokenizer.json cannot be read as the model's tokenizer (Exception: data "
+                                           "did not match any variant"),
+    "a-tokenizer-length-of-another-type": (lambda f: edit_json(f / "tokenizer_config.json", model_max_length="lots"),
+                                           "tokenizer_config.json cannot be read as the model's tokenizer (TypeError"),
+    "a-truncated-safetensors-header": (lambda f: (f / "model.safetensors").write_bytes(
+        (f / "model.safetensors").read_bytes()[:40]), "model.safetensors is damaged (SafetensorError"),
 }
 
 
