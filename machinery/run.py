@@ -4,6 +4,7 @@ what is computed, and takes what it needs of the method from the method's own co
 
 import dataclasses
 import os
+import re
 import signal
 import sys
 import time
@@ -151,6 +152,8 @@ class Session:
         runfolder.lock(args.out)
         if not args.resume:
             runfolder.prepare_out(args.out, args.overwrite)
+        done = self.state["progress"]["step"] if self.state else 0
+        runfolder.check_writes(args.out, planned_writes(args, done))  # before step 1, not when first written
         plan.write(self.plan, args.out)
         self.inputs = inputs.fingerprints(args)  # recorded with each checkpoint: a resume checks a moved input by them
         torch.manual_seed(args.seed)  # the critic's new head starts alike on every rank
@@ -263,6 +266,31 @@ class Session:
                              {"args": dataclasses.asdict(args), "method": self.written_by, "inputs": self.inputs,
                               "replay": list(self.replay),
                               "progress": {**self.progress, "bad_updates": guard.in_a_row()}}, args.keep_last)
+
+
+def planned_writes(args, done: int) -> list[tuple]:
+    """What a run writes under --out after step `done` (runfolder.check_writes' plan): its logs, plan.json, tb (and
+    wandb), eval/ with each step-N.jsonl an evaluation will write, and each checkpoint-N a save will replace (of
+    these two, only those already there: a run may have any number to come, and only one that exists is in the
+    way)."""
+    to_come = range(done + 1, args.steps + 1)
+
+    def due(step: int, every: int, at_start: bool = False) -> bool:
+        return step in to_come and (step == args.steps or (every > 0 and step % every == 0)) or \
+            (at_start and step == 0 == done)  # a new run's evaluation before step 1
+
+    planned = [("metrics.jsonl", "append"), ("completions.jsonl", "append"), ("plan.json", "file"), ("tb", "tree")]
+    if args.track:
+        planned.append(("wandb", "tree", ("latest-run",)))  # wandb makes that link itself
+    if args.eval_every:
+        planned.append(("eval", "folder"))
+        found = os.listdir(os.path.join(args.out, "eval")) if os.path.isdir(os.path.join(args.out, "eval")) else []
+        planned += [(os.path.join("eval", name), "file") for name in sorted(found)
+                    if re.fullmatch(r"step-(0|[1-9]\d*)\.jsonl", name) and due(int(name[5:-6]), args.eval_every, True)]
+    found = os.listdir(args.out) if os.path.isdir(args.out) else []
+    planned += [(name, "replaced") for name in sorted(found)
+                if re.fullmatch(r"checkpoint-[1-9]\d*", name) and due(int(name[11:]), args.save_every)]
+    return planned
 
 
 def load_tokenizer(source: str, prog: str = "remix"):
