@@ -4,6 +4,7 @@ local files; on --resume, where one has moved, --model, --dataset or --eval-data
 is checked to hold the same thing, and a place that is gone is named with that fix. A reader of the method may skip
 this module."""
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -102,3 +103,70 @@ def same_files(key: str, new: str | None, digests) -> str | None:
         if file_digest(path) != digest:
             return f"its {name} differs (another SHA-256)"
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Nothing a run reads lies where it writes
+# ----------------------------------------------------------------------------------------------
+def opened_through(path: str, hops: int = 0) -> list[str]:
+    """Every directory entry the kernel passes through to open path, each as its real folder joined with its name:
+    path's own components and, where one is a symbolic link, those of what it points to (os.path.realpath's walk,
+    kept). 'x/link/../y' goes up from where the link leads, as the kernel does."""
+    if hops > 40:  # a loop of links: opening it fails anyway
+        return []
+    folder, entries = os.sep, []
+    for part in os.path.join(os.getcwd(), path).split(os.sep):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            folder = os.path.dirname(folder)
+            continue
+        entry = os.path.join(folder, part)
+        entries.append(entry)
+        if os.path.islink(entry):
+            entries += opened_through(os.path.join(folder, os.readlink(entry)), hops + 1)
+            folder = os.path.realpath(entry)
+        else:
+            folder = entry
+    return entries
+
+
+def reads_of(args) -> dict[str, tuple[str, list[str]]]:
+    """{flag: (its value, the local paths a run opens through it)}: the model folder and each entry of it, the
+    dataset file, the benchmark folder and the files an evaluation reads there."""
+    reads = {}
+    if os.path.isdir(args.model):
+        reads["--model"] = (args.model, [args.model, *(os.path.join(args.model, name)
+                                                       for name in os.listdir(args.model))])
+    if os.path.lexists(args.dataset):
+        reads["--dataset"] = (args.dataset, [args.dataset])
+    if args.eval_every and args.eval_data_dir and os.path.lexists(args.eval_data_dir):
+        reads["--eval-data-dir"] = (args.eval_data_dir, [args.eval_data_dir, *(os.path.join(args.eval_data_dir, name)
+                                                                              for name in benchmark_files(args))])
+    return reads
+
+
+def read_where_written(out: str, reads: dict, names: tuple) -> tuple[str, str, str] | None:
+    """(flag, its value, the entry under out) of the first path a job reads that passes through an entry of out's
+    top level named by one of names (patterns: what the job writes, replaces or deletes there), or None."""
+    real_out = os.path.realpath(out)
+    for flag, (value, paths) in reads.items():
+        for path in paths:
+            for entry in opened_through(path):
+                if os.path.dirname(entry) == real_out and any(fnmatch.fnmatch(os.path.basename(entry), name)
+                                                              for name in names):
+                    return flag, value, entry
+    return None
+
+
+def check_kept(args, names: tuple):
+    """Nothing the run reads (reads_of) lies in what it writes, replaces or deletes under --out (names): --overwrite
+    would delete it before it is loaded, and a checkpoint's rotation later; one line names the path and the way out,
+    before anything is touched."""
+    found = read_where_written(args.out, reads_of(args), names)
+    if found:
+        flag, value, entry = found
+        way = (f"copy it out of {args.out} and give that place: --resume {args.resume} {flag} NEW_PLACE" if args.resume
+               else "choose another --out")
+        fail(f"{flag} {value} is read from {entry}, inside --out {args.out}, where this run writes and deletes "
+             f"(--overwrite, a checkpoint's rotation): nothing a run reads is deleted by it; {way}")

@@ -147,6 +147,7 @@ class Session:
                 (args.eval_max_tokens or 0) else f"--eval-max-tokens {args.eval_max_tokens}"
             fail(f"{args.model} takes at most {context} tokens ({source}), and the run needs {self.max_model_len}: "
                  f"{prompt} plus {response}; lower them to fit")
+        inputs.check_kept(args, runfolder.WRITES)  # --overwrite would delete it, a checkpoint's rotation later
         runfolder.check_out(args.out, bool(args.resume))
         self.plan = plan.check(args, self.checkpoint or args.model)  # a run that cannot fit stops here, in one line
         runfolder.lock(args.out)

@@ -21,6 +21,7 @@ from machinery.messages import fail
 
 LOCK = ".remix.lock"  # held by the run in the folder (fcntl), released when its process ends
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", "tb", "eval", "checkpoint-*", ".tmp-checkpoint-*", ".trash-*")
+WRITES = (*RUN_FILES, LOCK, "plan.json", "wandb")  # every name a run writes, replaces or deletes at --out's top
 
 
 def is_run_folder(path: str) -> bool:
