@@ -97,6 +97,7 @@ class Session:
                 "CUDA_VISIBLE_DEVICES")
         self.checkpoint, self.state, self.optim_state = None, None, None
         self.written_by = method.record()  # read once, as the code was loaded: the checkpoints say who wrote them
+        changed_data_ok = getattr(args, "resume_changed_data", False)  # this command's flag, not the run's saved one
         if args.resume:  # the run's saved arguments and newest readable checkpoint; --steps may extend it
             if os.path.isdir(args.resume):
                 runfolder.lock(args.resume)  # first: a folder another job writes into is not read
@@ -125,7 +126,10 @@ class Session:
         data.check_dataset(args.dataset)  # a folder or a .csv is no hub id
         flags.check_hub({f"--{k}": getattr(args, k) for k in ("model", "dataset") if flags.is_hub_id(getattr(args, k))
                    and not getattr(args, k).endswith((".jsonl", ".json", ".parquet"))})
-        self.problems = data.load_problems(args.dataset, args.problem_key, args.answer_key)
+        recorded = (self.state.get("inputs") if self.state else None) or {}
+        recorded = recorded if isinstance(recorded, dict) else {}
+        rows, dataset_read = data.read_dataset(args.dataset, revision=recorded.get("dataset_revision"))
+        self.problems = data.problems_of(rows, args.dataset, args.problem_key, args.answer_key)
         self.tokenizer = load_tokenizer(self.checkpoint or args.model)
         self.method = method
         self.encode = data.template_guard(lambda problem: self.method.build_prompt(
@@ -134,8 +138,14 @@ class Session:
             say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text")
         self.max_chars = data.char_bound(self.tokenizer, args.max_prompt_tokens)  # longer problems cannot fit
         data.first_fitting_prompt(self.problems, self.encode, args.max_prompt_tokens, self.max_chars)
-        self.benchmarks = evaluation.load_benchmarks(args.eval_benchmarks, args.eval_data_dir, args.eval_limit) \
-            if args.eval_every else []
+        self.benchmarks, benchmark_digests = evaluation.read_benchmarks(
+            args.eval_benchmarks, args.eval_data_dir, args.eval_limit) if args.eval_every else ([], None)
+        read = inputs.fingerprints(dataset_read, benchmark_digests, recorded.get("model"))
+        # recorded with each checkpoint: a resume checks its inputs by them (the base model's weights hashed once)
+        self.inputs = inputs.check_data(args, self.state["args"], recorded, read, changed_data_ok) if args.resume \
+            else read
+        if not isinstance(self.inputs.get("model"), dict):
+            self.inputs["model"] = inputs.model_record(args.model)
         longest = max((len(self.encode(p["problem"])) for p in self.benchmarks), default=0)
         self.max_model_len = max(args.max_prompt_tokens, longest) + max(args.max_response_tokens,
                                                                        args.eval_max_tokens or 0)
@@ -156,7 +166,6 @@ class Session:
         done = self.state["progress"]["step"] if self.state else 0
         runfolder.check_writes(args.out, planned_writes(args, done))  # before step 1, not when first written
         plan.write(self.plan, args.out)
-        self.inputs = inputs.fingerprints(args)  # recorded with each checkpoint: a resume checks a moved input by them
         torch.manual_seed(args.seed)  # the critic's new head starts alike on every rank
 
     def restore(self, policy, reference, critic, optimizers: list, replay, llm):
