@@ -263,12 +263,12 @@ def opened_through(path: str, hops: int = 0) -> list[str]:
 
 
 def reads_of(args) -> dict[str, tuple[str, list[str]]]:
-    """{flag: (its value, the local paths a run opens through it)}: the model folder and each entry of it, the
-    dataset file, the benchmark folder and the files an evaluation reads there."""
+    """{flag: (its value, the local paths a run opens through it)}: the model folder and each file of it (a loader
+    reads its top level), the dataset file, the benchmark folder and the files an evaluation reads there."""
     reads = {}
     if os.path.isdir(args.model):
-        reads["--model"] = (args.model, [args.model, *(os.path.join(args.model, name)
-                                                       for name in os.listdir(args.model))])
+        files = [os.path.join(args.model, name) for name in os.listdir(args.model)]
+        reads["--model"] = (args.model, [args.model, *(path for path in files if os.path.isfile(path))])
     if os.path.lexists(args.dataset):
         reads["--dataset"] = (args.dataset, [args.dataset])
     if args.eval_every and args.eval_data_dir and os.path.lexists(args.eval_data_dir):
