@@ -247,6 +247,24 @@ def refuse_foreign(args: EvalArgs):
         fail(f"--out {out} already holds files that are not an evaluation's; choose another --out or pass --overwrite")
 
 
+WRITES = ("samples.jsonl", "summary.json", "results.md", "settings.json", runfolder.LOCK)  # --out's files
+
+
+def check_kept(args: EvalArgs):
+    """Nothing the job reads (the model folder, the benchmark folder, the method file, the samples it regrades) is
+    a file it writes or replaces in --out: one line names it and the way out, before anything is written."""
+    from machinery import inputs
+
+    reads = {flag: (value, [value]) for flag, value in (("--model", args.model), ("--data-dir", args.data_dir),
+                                                         ("--method", args.method), ("--regrade", args.regrade))
+             if value is not None and os.path.lexists(value)}
+    found = inputs.read_where_written(args.out, reads, WRITES)
+    if found:
+        flag, value, entry = found
+        fail(f"{flag} {value} is {entry}, which this job writes in --out {args.out}: nothing a job reads is replaced "
+             f"by it; give --out another folder")
+
+
 def prepare(args: EvalArgs, sizes: dict) -> list[dict]:
     """--out locked and checked (continued, refused, or replaced); returns the samples of the runs already finished
     there (a run of a benchmark is finished when all its sizes[(label, benchmark)] samples were written)."""
@@ -402,6 +420,7 @@ def main(args: EvalArgs) -> dict:
         from machinery import curves
 
         return curves.draw(args.curves, args.out)
+    check_kept(args)
     if args.regrade:
         flags.check_ranges(args, PROG)
         load_method(args.method)

@@ -150,6 +150,8 @@ class Args:
     """continue the run in this folder from its newest checkpoint, with the run's saved arguments"""
     resume_other_method: bool = False
     """--resume a run that another method file (or another version of this one) wrote: it continues with this one"""
+    resume_changed_data: bool = False
+    """--resume a run whose dataset or benchmark files changed since it began: it goes on with them as they are now"""
     track: bool = False
     """log to Weights & Biases as well"""
     eval_every: int = 25

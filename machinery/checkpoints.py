@@ -385,7 +385,7 @@ def resume_args(args, saved: dict, done: int):
     saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in fields}
     defaults, given, typed = type(args)(), dataclasses.asdict(args), typed_flags()
     changed = [k for k, v in given.items() if (k in typed or v != getattr(defaults, k))
-               and k not in ("resume", "steps", "resume_other_method") and v != saved.get(k)]
+               and k not in ("resume", "steps", "resume_other_method", "resume_changed_data") and v != saved.get(k)]
     moved = {k: given[k] for k in changed if k in inputs.MOVABLE}  # what the run read, whose place may have moved
     changed = [k for k in changed if k not in moved]
     steps_given = args.steps != defaults.steps or "steps" in typed

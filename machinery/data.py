@@ -4,6 +4,8 @@ method may skip this module: a problem is (problem text, gold answer).
 """
 
 import collections
+import hashlib
+import io
 import json
 import math
 import os
@@ -57,11 +59,27 @@ def check_dataset(path: str, prog: str = "remix"):
 
 
 def load_problems(path: str, problem_key: str, answer_key: str, prog: str = "remix") -> list[tuple[str, str]]:
-    """(problem, answer) pairs from a hub dataset or a local .jsonl/.json/.parquet file. A row whose problem or
-    answer is missing, empty or of another type is skipped, and the count said in one line; a file with no usable
-    row, or whose rows lack the columns, stops with one line."""
+    """(problem, answer) pairs from a hub dataset or a local .jsonl/.json/.parquet file (read_dataset, problems_of)."""
+    return problems_of(read_dataset(path, prog)[0], path, problem_key, answer_key, prog)
+
+
+def read_dataset(path: str, prog: str = "remix", revision: str | None = None) -> tuple[list[dict], dict]:
+    """The rows of --dataset, and what names the data they came from, as a run records it: {"sha256": ...} of a
+    local file's bytes (the very bytes parsed, read once: no window between hashing a file and reading it again),
+    {"revision": commit} of a hub dataset (the one the datasets library loaded; `revision` asks for that one)."""
     check_dataset(path, prog)
-    rows = read_rows(path, prog) if path.endswith(LOCAL_FORMS) else load_hub_rows(path, prog=prog)
+    if path.endswith(LOCAL_FORMS):
+        rows, digest = read_rows(path, prog)
+        return rows, {"sha256": digest}
+    rows, commit = hub_rows(path, revision=revision, prog=prog)
+    return rows, {"revision": commit}
+
+
+def problems_of(rows: list[dict], path: str, problem_key: str, answer_key: str,
+                prog: str = "remix") -> list[tuple[str, str]]:
+    """(problem, answer) pairs from a dataset's rows. A row whose problem or answer is missing, empty or of another
+    type is skipped, and the count said in one line; a file with no usable row, or whose rows lack the columns,
+    stops with one line."""
     if not rows:
         fail(f"dataset {path!r} holds no rows", prog)
     columns = sorted(rows[0])
@@ -84,9 +102,10 @@ def load_problems(path: str, problem_key: str, answer_key: str, prog: str = "rem
     return problems
 
 
-def read_rows(path: str, prog: str = "remix") -> list[dict]:
-    """The rows of a local .jsonl (one object per line), .json (a list of objects) or .parquet file; every way
-    such a file can be wrong gets one line that names it."""
+def read_rows(path: str, prog: str = "remix") -> tuple[list[dict], str]:
+    """The rows of a local .jsonl (one object per line), .json (a list of objects) or .parquet file, and the
+    SHA-256 of the bytes they were parsed from (read once); every way such a file can be wrong gets one line that
+    names it."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -97,24 +116,32 @@ def read_rows(path: str, prog: str = "remix") -> list[dict]:
         fail(f"dataset {path!r} is a folder, not a file", prog)
     if not stat.S_ISREG(mode):
         fail(f"dataset {path!r} is not a regular file", prog)
-    if os.path.getsize(path) == 0:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as error:
+        fail(f"cannot read dataset file {path!r}: {error.strerror}", prog)
+    if not raw:
         fail(f"dataset file {path!r} is empty", prog)
+    digest = hashlib.sha256(raw).hexdigest()
     if path.endswith(".parquet"):
         try:
             import pandas as pd
 
-            rows = pd.read_parquet(path).to_dict("records")
+            rows = pd.read_parquet(io.BytesIO(raw)).to_dict("records")
         except Exception as error:  # pyarrow's errors for a damaged file have no common type
             fail(f"cannot read dataset {path!r} as parquet: {str(error).splitlines()[0]}", prog)
-        return rows
+        return rows, digest
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = decode(raw)
     except UnicodeDecodeError as error:
         fail(f"dataset {path!r} is not UTF-8 text (byte {error.start}: {error.reason})", prog)
-    except OSError as error:
-        fail(f"cannot read dataset file {path!r}: {error.strerror}", prog)
-    return parse_rows(text, path, prog)
+    return parse_rows(text, path, prog), digest
+
+
+def decode(raw: bytes) -> str:
+    """UTF-8 bytes as text, as open(path, encoding="utf-8").read() gives it (its newlines translated)."""
+    return io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8").read()
 
 
 def parse_rows(text: str, path: str, prog: str = "remix") -> list[dict]:
@@ -197,13 +224,27 @@ def _one_document(text: str) -> bool:
 
 
 def load_hub_rows(name: str, config: str | None = None, split: str = "train", prog: str = "remix") -> list[dict]:
+    return hub_rows(name, config, split, prog=prog)[0]
+
+
+def hub_rows(name: str, config: str | None = None, split: str = "train", revision: str | None = None,
+             prog: str = "remix") -> tuple[list[dict], str | None]:
+    """A hub dataset's rows and the revision (commit) they are from: the builder's hash, which is the commit the
+    hub resolved, or offline the one its cached copy was built from (datasets then loads the newest cached copy,
+    whatever `revision` asks)."""
     import datasets
 
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity_error()  # its notes on which cached copy it takes: the revision is the record
     try:
-        return list(datasets.load_dataset(name, config, split=split))
+        builder = datasets.load_dataset_builder(name, config, revision=revision)
+        builder.download_and_prepare()
+        return list(builder.as_dataset(split=split)), builder.hash
     except Exception as error:  # offline, unknown id, no such split: one line either way
         first = str(error).splitlines()[0] if str(error) else repr(error)
         fail(f"cannot load dataset {name!r} from the hub: {first}{flags.offline_hint()}", prog)
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 TEMPLATE_SECONDS = 5.0  # one prompt renders in milliseconds; a chat template still rendering after this never ends

@@ -61,25 +61,36 @@ def gold_answers(row: dict, where: str) -> list[str]:
     return [data.answer_text(raw, f"{where}: 'answer'")]
 
 
-def load_benchmark(name: str, data_dir: str | None, limit: int | None, hub: bool = False,
-                   prog: str = "remix") -> list[dict]:
-    """A benchmark's problems from the benchmark folder (default data/benchmarks) or the hub; every row checked."""
+def read_benchmark(name: str, data_dir: str | None, hub: bool = False,
+                   prog: str = "remix") -> tuple[list[dict], str, str | None]:
+    """A benchmark's rows from the benchmark folder (default data/benchmarks) or the hub, where they came from, and
+    the SHA-256 of the file's bytes (None from the hub): the bytes parsed, read once."""
+    import hashlib
+
     local, hub_id, config, split = BENCHMARKS[name]
     if hub:
-        rows = data.load_hub_rows(hub_id, config, split, prog=prog)
-        where = hub_id
-    else:
-        folder = Path(data_dir) if data_dir else data_root() / "benchmarks"
-        if not folder.is_dir():
-            fail(f"benchmark folder {str(folder)!r} does not exist (pass --data-dir, or --hub)", prog)
-        path = folder / local
-        if not path.is_file():
-            fail(f"benchmark file {str(path)!r} does not exist (expected {local} in the benchmark folder)", prog)
-        try:
-            rows = data.parse_rows(path.read_text(encoding="utf-8"), str(path), prog)
-        except UnicodeDecodeError as error:
-            fail(f"benchmark file {str(path)!r} is not UTF-8 text (byte {error.start})", prog)
-        where = str(path)
+        return data.load_hub_rows(hub_id, config, split, prog=prog), hub_id, None
+    folder = Path(data_dir) if data_dir else data_root() / "benchmarks"
+    if not folder.is_dir():
+        fail(f"benchmark folder {str(folder)!r} does not exist (pass --data-dir, or --hub)", prog)
+    path = folder / local
+    if not path.is_file():
+        fail(f"benchmark file {str(path)!r} does not exist (expected {local} in the benchmark folder)", prog)
+    raw = path.read_bytes()
+    try:
+        text = data.decode(raw)
+    except UnicodeDecodeError as error:
+        fail(f"benchmark file {str(path)!r} is not UTF-8 text (byte {error.start})", prog)
+    return data.parse_rows(text, str(path), prog), str(path), hashlib.sha256(raw).hexdigest()
+
+
+def load_benchmark(name: str, data_dir: str | None, limit: int | None, hub: bool = False,
+                   prog: str = "remix") -> list[dict]:
+    """A benchmark's problems (read_benchmark); every row checked."""
+    return benchmark_problems(name, *read_benchmark(name, data_dir, hub, prog)[:2], limit, prog)
+
+
+def benchmark_problems(name: str, rows: list[dict], where: str, limit: int | None, prog: str = "remix") -> list[dict]:
     problems = []
     for i, row in enumerate(rows[:limit]):
         try:
@@ -108,7 +119,19 @@ def fitting(problems: list[dict], max_chars: int, prog: str = "remix") -> list[d
 
 
 def load_benchmarks(names, data_dir: str | None, limit: int | None, hub: bool = False, prog: str = "remix"):
-    return [p for name in resolve(names, prog) for p in load_benchmark(name, data_dir, limit, hub, prog)]
+    return read_benchmarks(names, data_dir, limit, hub, prog)[0]
+
+
+def read_benchmarks(names, data_dir: str | None, limit: int | None, hub: bool = False,
+                    prog: str = "remix") -> tuple[list[dict], dict]:
+    """The problems of the named benchmarks, and {file name: SHA-256 of the bytes read} of their local files."""
+    problems, digests = [], {}
+    for name in resolve(names, prog):
+        rows, where, digest = read_benchmark(name, data_dir, hub, prog)
+        problems += benchmark_problems(name, rows, where, limit, prog)
+        if digest is not None:
+            digests[BENCHMARKS[name][0]] = digest
+    return problems, digests
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ what is computed, and takes what it needs of the method from the method's own co
 
 import dataclasses
 import os
+import re
 import signal
 import sys
 import time
@@ -96,6 +97,7 @@ class Session:
                 "CUDA_VISIBLE_DEVICES")
         self.checkpoint, self.state, self.optim_state = None, None, None
         self.written_by = method.record()  # read once, as the code was loaded: the checkpoints say who wrote them
+        changed_data_ok = getattr(args, "resume_changed_data", False)  # this command's flag, not the run's saved one
         if args.resume:  # the run's saved arguments and newest readable checkpoint; --steps may extend it
             if os.path.isdir(args.resume):
                 runfolder.lock(args.resume)  # first: a folder another job writes into is not read
@@ -124,7 +126,10 @@ class Session:
         data.check_dataset(args.dataset)  # a folder or a .csv is no hub id
         flags.check_hub({f"--{k}": getattr(args, k) for k in ("model", "dataset") if flags.is_hub_id(getattr(args, k))
                    and not getattr(args, k).endswith((".jsonl", ".json", ".parquet"))})
-        self.problems = data.load_problems(args.dataset, args.problem_key, args.answer_key)
+        recorded = (self.state.get("inputs") if self.state else None) or {}
+        recorded = recorded if isinstance(recorded, dict) else {}
+        rows, dataset_read = data.read_dataset(args.dataset, revision=recorded.get("dataset_revision"))
+        self.problems = data.problems_of(rows, args.dataset, args.problem_key, args.answer_key)
         self.tokenizer = load_tokenizer(self.checkpoint or args.model)
         self.method = method
         self.encode = data.template_guard(lambda problem: self.method.build_prompt(
@@ -133,8 +138,14 @@ class Session:
             say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text")
         self.max_chars = data.char_bound(self.tokenizer, args.max_prompt_tokens)  # longer problems cannot fit
         data.first_fitting_prompt(self.problems, self.encode, args.max_prompt_tokens, self.max_chars)
-        self.benchmarks = evaluation.load_benchmarks(args.eval_benchmarks, args.eval_data_dir, args.eval_limit) \
-            if args.eval_every else []
+        self.benchmarks, benchmark_digests = evaluation.read_benchmarks(
+            args.eval_benchmarks, args.eval_data_dir, args.eval_limit) if args.eval_every else ([], None)
+        read = inputs.fingerprints(dataset_read, benchmark_digests, recorded.get("model"))
+        # recorded with each checkpoint: a resume checks its inputs by them (the base model's weights hashed once)
+        self.inputs = inputs.check_data(args, self.state["args"], recorded, read, changed_data_ok) if args.resume \
+            else read
+        if not isinstance(self.inputs.get("model"), dict):
+            self.inputs["model"] = inputs.model_record(args.model)
         longest = max((len(self.encode(p["problem"])) for p in self.benchmarks), default=0)
         self.max_model_len = max(args.max_prompt_tokens, longest) + max(args.max_response_tokens,
                                                                        args.eval_max_tokens or 0)
@@ -146,13 +157,15 @@ class Session:
                 (args.eval_max_tokens or 0) else f"--eval-max-tokens {args.eval_max_tokens}"
             fail(f"{args.model} takes at most {context} tokens ({source}), and the run needs {self.max_model_len}: "
                  f"{prompt} plus {response}; lower them to fit")
+        inputs.check_kept(args, runfolder.WRITES)  # --overwrite would delete it, a checkpoint's rotation later
         runfolder.check_out(args.out, bool(args.resume))
         self.plan = plan.check(args, self.checkpoint or args.model)  # a run that cannot fit stops here, in one line
         runfolder.lock(args.out)
         if not args.resume:
             runfolder.prepare_out(args.out, args.overwrite)
+        done = self.state["progress"]["step"] if self.state else 0
+        runfolder.check_writes(args.out, planned_writes(args, done))  # before step 1, not when first written
         plan.write(self.plan, args.out)
-        self.inputs = inputs.fingerprints(args)  # recorded with each checkpoint: a resume checks a moved input by them
         torch.manual_seed(args.seed)  # the critic's new head starts alike on every rank
 
     def restore(self, policy, reference, critic, optimizers: list, replay, llm):
@@ -265,18 +278,42 @@ class Session:
                               "progress": {**self.progress, "bad_updates": guard.in_a_row()}}, args.keep_last)
 
 
-def load_tokenizer(source: str, prog: str = "remix"):
-    """The model's tokenizer, never with code from its folder, checked to fit the model (safeload.check_tokenizer)."""
-    from transformers import AutoConfig, AutoTokenizer
+def planned_writes(args, done: int) -> list[tuple]:
+    """What a run writes under --out after step `done` (runfolder.check_writes' plan): its logs, plan.json, tb (and
+    wandb), eval/ with each step-N.jsonl an evaluation will write, and each checkpoint-N a save will replace (of
+    these two, only those already there: a run may have any number to come, and only one that exists is in the
+    way)."""
+    to_come = range(done + 1, args.steps + 1)
 
+    def due(step: int, every: int, at_start: bool = False) -> bool:
+        return step in to_come and (step == args.steps or (every > 0 and step % every == 0)) or \
+            (at_start and step == 0 == done)  # a new run's evaluation before step 1
+
+    planned = [("metrics.jsonl", "append"), ("completions.jsonl", "append"), ("plan.json", "file"), ("tb", "tree")]
+    if args.track:
+        planned.append(("wandb", "tree", ("latest-run",)))  # wandb makes that link itself
+    if args.eval_every:
+        planned.append(("eval", "folder"))
+        found = os.listdir(os.path.join(args.out, "eval")) if os.path.isdir(os.path.join(args.out, "eval")) else []
+        planned += [(os.path.join("eval", name), "file") for name in sorted(found)
+                    if re.fullmatch(r"step-(0|[1-9]\d*)\.jsonl", name) and due(int(name[5:-6]), args.eval_every, True)]
+    found = os.listdir(args.out) if os.path.isdir(args.out) else []
+    planned += [(name, "replaced") for name in sorted(found)
+                if re.fullmatch(r"checkpoint-[1-9]\d*", name) and due(int(name[11:]), args.save_every)]
+    return planned
+
+
+def load_tokenizer(source: str, prog: str = "remix"):
+    """The model's tokenizer, never with code from its folder, checked to fit the model (safeload.read_tokenizer):
+    anything transformers raises on it is one line naming the folder and the file."""
     from machinery import safeload
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-        rows = AutoConfig.from_pretrained(source, trust_remote_code=False).get_text_config().vocab_size
-        safeload.check_tokenizer(tokenizer, source, rows)
-    except (OSError, ValueError) as error:  # a folder without a model: OSError, or ValueError from the tokenizer
+        tokenizer, _ = safeload.read_tokenizer(source)
+    except OSError as error:  # a folder without a model, or a hub id out of reach
         fail(f"cannot load model {source!r}: {str(error).splitlines()[0]}{flags.offline_hint()}", prog)
+    except ValueError as error:  # safeload names the file
+        fail(f"cannot load model {source!r}: {error}", prog)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -21,6 +21,7 @@ from machinery.messages import fail
 
 LOCK = ".remix.lock"  # held by the run in the folder (fcntl), released when its process ends
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", "tb", "eval", "checkpoint-*", ".tmp-checkpoint-*", ".trash-*")
+WRITES = (*RUN_FILES, LOCK, "plan.json", "wandb")  # every name a run writes, replaces or deletes at --out's top
 
 
 def is_run_folder(path: str) -> bool:
@@ -308,6 +309,10 @@ def check_tree(folder: str, allowed: tuple = ()):
     anything inside it is a link (but the allowed names, links the library makes itself), before the library opens
     it."""
     makedirs(folder)
+    _no_links_inside(folder, allowed)
+
+
+def _no_links_inside(folder: str, allowed: tuple = ()):
     for inside, folders, files in os.walk(folder):
         for name in folders + files:
             if os.path.islink(os.path.join(inside, name)) and name not in allowed:
@@ -331,3 +336,47 @@ def replace_file(path: str, lines: list[str]):
         remove(aside, missing_ok=True)
     with _parent(path) as (descriptor, _):  # the rename itself reaches the disk
         os.fsync(descriptor)
+
+
+# ----------------------------------------------------------------------------------------------
+# Before a job writes: every path it will write is free for it
+# ----------------------------------------------------------------------------------------------
+def check_writes(out: str, planned: list[tuple], prog: str = "remix"):
+    """Before a job writes anything (a resumed run: before its step 1), each path it will write under out is free
+    for it, or one line names the first that is not. planned: (path relative to out, kind[, names a library's own
+    links may have]), kind one of "folder" (written into), "tree" (a folder a library writes into by name:
+    check_tree), "file" (written whole, aside and renamed over: a link there is replaced), "append" (appended to),
+    "replaced" (a folder renamed over whatever is there: a link or an older folder). In the way: a link on the way
+    or at a folder or appended file (Linked: never followed), a file or other non-folder where a folder goes, a
+    folder where a file is written whole, anything but a regular file where one is appended to, a link inside a
+    library's folder. Absent paths are free; nothing is created."""
+    for path, kind, *allowed in planned:
+        problem = _in_the_way(out, path, kind, *allowed)
+        if problem:
+            fail(problem, prog)
+
+
+def _in_the_way(out: str, path: str, kind: str, allowed: tuple = ()) -> str | None:
+    parts = path.split(os.sep)
+    for depth in range(1, len(parts) + 1):
+        place = os.path.join(out, *parts[:depth])
+        try:
+            mode = os.lstat(place).st_mode
+        except FileNotFoundError:
+            return None
+        last = depth == len(parts)
+        if stat.S_ISLNK(mode) and not (last and kind in ("file", "replaced")):
+            return str(Linked(place))
+        folder_there = not last or kind in ("folder", "tree", "replaced")
+        if folder_there and not stat.S_ISDIR(mode) and not stat.S_ISLNK(mode):
+            return f"{place} is a file, not a folder, and the run writes a folder there: move it away"
+        if last and kind == "file" and stat.S_ISDIR(mode):
+            return f"{place} is a folder, and the run writes a file there: move it away"
+        if last and kind == "append" and not stat.S_ISREG(mode):
+            return f"{place} is not a regular file, and the run appends to it: move it away"
+    if kind == "tree":
+        try:
+            _no_links_inside(os.path.join(out, path), allowed)
+        except Linked as linked:
+            return str(linked)
+    return None

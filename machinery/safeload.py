@@ -152,6 +152,55 @@ def auto_map_refs(content) -> list[str]:
     return refs
 
 
+def read_tokenizer(source: str) -> tuple:
+    """(tokenizer, the embedding's rows) of a model folder or hub id, by transformers without code from the folder,
+    checked to fit (check_tokenizer). Whatever transformers raises on them is a ValueError naming the file
+    (tokenizer_file, or config.json); an OSError where there is no model (a missing folder, a hub id out of reach)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        tokenizer("1 + 1 = 2", add_special_tokens=False)  # a value of its config that breaks encoding breaks here
+    except OSError:
+        raise
+    except Exception as error:
+        _reraise_a_signal(error)
+        raise ValueError(f"{tokenizer_file(source)} cannot be read as the model's tokenizer "
+                         f"({reason(error)})") from None
+    try:
+        rows = AutoConfig.from_pretrained(source, trust_remote_code=False).get_text_config().vocab_size
+    except OSError:
+        raise
+    except Exception as error:
+        _reraise_a_signal(error)
+        raise ValueError(f"{os.path.join(source, 'config.json')} does not describe a model ({reason(error)})") from None
+    check_tokenizer(tokenizer, source, rows)
+    return tokenizer, rows
+
+
+def tokenizer_file(source: str) -> str:
+    """The file to name when transformers cannot read a folder's tokenizer: tokenizer.json where the tokenizers
+    library cannot read it alone, else tokenizer_config.json (the values transformers adds to it), else the folder."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(source, "tokenizer.json")
+    if os.path.isfile(path):
+        try:
+            Tokenizer.from_file(path)
+        except Exception:
+            return path
+    config = os.path.join(source, "tokenizer_config.json")
+    return config if os.path.isfile(config) else f"{source}'s tokenizer"
+
+
+def _reraise_a_signal(error: BaseException):
+    """What a library made of a signal it caught is the signal (signals.from_signal), never a bad file."""
+    from machinery import signals
+
+    if signals.from_signal(error):
+        raise error
+
+
 def check_tokenizer(tokenizer, source: str, rows: int | None):
     """A tokenizer that can run the model: it turns text into tokens (a folder whose tokenizer files are gone
     loads as an empty one, and every prompt would be []), and no token id is past the embedding's last row
@@ -176,9 +225,19 @@ def meta_model(source: str, critic: bool = False) -> tuple:
         with torch.device("meta"):
             model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(
                 config, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as error:  # what transformers raises for a config it cannot use
-        raise ValueError(str(error).splitlines()[0][:200] if str(error) else type(error).__name__) from None
+    except Exception as error:  # a config transformers cannot use raises anything: its validators, torch, arithmetic
+        _reraise_a_signal(error)
+        raise ValueError(reason(error)) from None
     return config, model
+
+
+def reason(error: BaseException) -> str:
+    """What transformers (or a library under it) raised, as a short clause: the innermost cause (a validation error
+    wraps the one that says what is wrong), its type and its first line."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
 def model_parameters(folder: str, critic: bool = False) -> tuple[dict, int, set | None]:

@@ -242,6 +242,85 @@ def test_an_out_inside_a_run_or_under_a_file_is_refused_before_the_model_loads(t
     assert "which is a file, not a folder" in capsys.readouterr().err
 
 
+def planted_run(out: Path, model: str) -> Path:
+    """A folder holding what --overwrite finds of a run: a checkpoint (a model folder), evaluations, a log."""
+    shutil.copytree(model, out / "checkpoint-1")
+    (out / "eval").mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    return out
+
+
+def every_entry(folder: Path) -> dict:
+    """Each path under folder: a link's target, a file's bytes, a folder's None."""
+    return {str(p.relative_to(folder)): ("link", os.readlink(p)) if p.is_symlink() else p.read_bytes() if p.is_file()
+            else None for p in folder.rglob("*")}
+
+
+def linked_model(model: str, out: Path, tmp: Path) -> dict:
+    """A model folder outside --out whose weights file is a link into --out's checkpoint."""
+    shutil.copytree(model, tmp / "model", ignore=shutil.ignore_patterns("model.safetensors"))
+    (tmp / "model" / "model.safetensors").symlink_to(out / "checkpoint-1" / "model.safetensors")
+    return {"model": str(tmp / "model")}
+
+
+def inside(out: Path, relative: str, source: str) -> str:
+    (out / relative).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source, out / relative)
+    return str(out / relative)
+
+
+# flag pointed into --out -> (what the run is given, the entry of --out it is read through)
+READ_INSIDE_OUT = {
+    "model-a-checkpoint-of-the-run": (lambda out, tmp: {"model": str(out / "checkpoint-1")}, "checkpoint-1"),
+    "model-a-link-to-that-checkpoint": (lambda out, tmp: (tmp / "linked").symlink_to(out / "checkpoint-1") or
+                                        {"model": str(tmp / "linked")}, "checkpoint-1"),
+    "model-whose-weights-link-into-out": (lambda out, tmp: linked_model(str(out / "checkpoint-1"), out, tmp),
+                                          "checkpoint-1"),
+    "dataset-in-the-evaluations": (lambda out, tmp: {"dataset": inside(out, "eval/train.jsonl", TRAIN_SAMPLE)},
+                                   "eval"),
+    "eval-data-dir-in-a-checkpoint": (lambda out, tmp: {
+        "eval_data_dir": os.path.dirname(inside(out, "checkpoint-1/bench/aime24.jsonl", BENCH_FILE)), "eval_every": 1,
+        "eval_benchmarks": ("aime24",), "eval_limit": 1}, "checkpoint-1"),
+}
+TRAIN_SAMPLE, BENCH_FILE = str(ROOT / "data" / "train" / "deepscaler_partial.jsonl"), str(
+    ROOT / "data" / "benchmarks" / "aime24.jsonl")
+
+
+@pytest.mark.parametrize("case", list(READ_INSIDE_OUT))
+def test_overwrite_never_deletes_what_the_run_reads_inside_out(case, tiny_model, train_file, tmp_path, capsys):
+    """--model runs/x/checkpoint-N --out runs/x --overwrite deleted the model before loading it (so did a dataset or
+    a benchmark folder inside --out): refused in one line naming the path and another --out, nothing touched."""
+    given, entry = READ_INSIDE_OUT[case]
+    out = planted_run(tmp_path / "run", tiny_model)
+    given = given(out, tmp_path)
+    before = every_entry(out)
+    with pytest.raises(SystemExit) as exit_info:
+        remix.train(tiny_args(given.pop("model", tiny_model), given.pop("dataset", train_file), out, steps=1,
+                              overwrite=True, **given))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert f"is read from {out.resolve() / entry}, inside --out {out}" in err[0] and "choose another --out" in err[0]
+    assert every_entry(out) == before
+
+
+def test_a_regrade_never_replaces_the_samples_it_reads(tmp_path, capsys):
+    """eval.py --regrade OUT/samples.jsonl --out OUT (a regrade's folder, so no --overwrite asked) replaced the
+    samples it read with its own: refused in one line, the file as it was."""
+    out = tmp_path / "regraded"
+    out.mkdir()
+    samples = out / "samples.jsonl"
+    samples.write_text(json.dumps({"benchmark": "aime24", "id": 0, "response": "\\boxed{7}", "answers": ["7"],
+                                   "correct": False}) + "\n")
+    (out / "settings.json").write_text(json.dumps({"regrade": str(samples), "grader": "math-verify"}))
+    before = every_entry(out)
+    with pytest.raises(SystemExit) as exit_info:
+        eval_cli.main(eval_cli.EvalArgs(regrade=str(samples), out=str(out)))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and f"--regrade {samples} is {samples.resolve()}, which this " \
+        f"job writes in --out {out}" in err[0] and "give --out another folder" in err[0], err
+    assert every_entry(out) == before
+
+
 @pytest.mark.long
 @pytest.mark.slow
 def test_two_runs_on_one_folder_cannot_both_start(tiny_model, train_file, tmp_path):

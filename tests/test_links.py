@@ -10,6 +10,7 @@ covered) is refused in one line or replaced, its target untouched.
 import ast
 import os
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -104,11 +105,23 @@ def outside_state(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
 
 
-def plant(out: Path, path: str, outside: Path, kind_of: Path) -> Path:
-    """A link at out/path to a new file (or folder, where the baseline had one) outside out, in place of what is
-    there; the folders above it are made real ones."""
+def out_state(out: Path) -> dict:
+    """Every entry under out but the lock (which names the job that last held it), links as links: a link's target,
+    a file's bytes, a folder's None."""
+    def state(p: Path):
+        return ("link", os.readlink(p)) if p.is_symlink() else p.read_bytes() if p.is_file() else None
+
+    return {str(p.relative_to(out)): state(p) for p in out.rglob("*") if p.name != ".remix.lock"}
+
+
+def plant(out: Path, path: str, outside: Path, kind_of: Path, kind: str = "link") -> Path:
+    """kind "link": a link at out/path to a new file (or folder, where the baseline had one) outside out, in place of
+    what is there; "swapped": a plain file where the baseline had a folder, a folder where it had a file (nothing
+    outside). The folders above it are made real ones."""
     target = outside / path.replace(os.sep, "__")
-    if (kind_of / path).is_dir():
+    if kind == "swapped":
+        pass
+    elif (kind_of / path).is_dir():
         target.mkdir(parents=True)
         (target / "mine.txt").write_text("not the run's")
     else:
@@ -119,7 +132,12 @@ def plant(out: Path, path: str, outside: Path, kind_of: Path) -> Path:
     elif place.exists() or place.is_symlink():
         place.unlink()
     place.parent.mkdir(parents=True, exist_ok=True)
-    place.symlink_to(target, target_is_directory=target.is_dir())
+    if kind == "swapped" and (kind_of / path).is_dir():
+        place.write_text("a file where the run had a folder\n")
+    elif kind == "swapped":
+        (place / "inside").mkdir(parents=True)
+    else:
+        place.symlink_to(target, target_is_directory=target.is_dir())
     return target
 
 
@@ -131,27 +149,32 @@ def antichains(paths: list[str]) -> list[list[str]]:
     return [groups[d] for d in sorted(groups)]
 
 
-def check_planted(paths: list[str], start, fresh, baseline: Path, tmp: Path, prog: str) -> dict:
-    """Links at all of paths at once, in a fresh copy (fresh(folder) makes it); start(folder) runs the job. A run
-    refused in one line must name a planted link; that path is recorded as refused and the job runs again without
-    it. When the job ends with exit 0, every remaining link was replaced by a real file or left alone. In every run,
-    no target outside changes. Returns {path: 'refused' | 'replaced' | 'left'}."""
+def check_planted(paths: list[str], start, fresh, baseline: Path, tmp: Path, prog: str, kind: str = "link") -> dict:
+    """Links (or, kind "swapped", a file where a folder was and a folder where a file was: plant) at all of paths at
+    once, in a fresh copy (fresh(folder) makes it); start(folder) runs the job. A run refused in one line must name a
+    planted path, and leave the folder as it found it but its lock (refused before anything is written: a resume
+    before its step 1); that path is recorded as refused and the job runs again without it. When the job ends with
+    exit 0, every remaining link was replaced by a real file or left alone. In every run, no target outside changes.
+    Returns {path: 'refused' | 'replaced' | 'left'}."""
     outcome, todo, attempt = {}, list(paths), 0
     while todo:
         attempt += 1
         out, outside = tmp / f"try{attempt}" / "out", tmp / f"try{attempt}" / "outside"
         outside.mkdir(parents=True)
         fresh(out)
-        targets = {path: plant(out, path, outside, baseline) for path in todo}
-        before = outside_state(outside)
+        targets = {path: plant(out, path, outside, baseline, kind) for path in todo}
+        before, found = outside_state(outside), out_state(out)
         done = start(out)
         assert outside_state(outside) == before, f"a target outside --out changed: {done.stderr[-2000:]}"
         lines = [line for line in done.stderr.strip().splitlines() if line.strip() and "%|" not in line]  # no bars
         if done.returncode == 2:
-            assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and "symbolic link" in lines[0], \
-                f"{todo}: exit 2 but not one line about a link:\n{done.stderr[-3000:]}"
-            named = [p for p in todo if f"{out / p} is a symbolic link" in lines[0]]
-            assert named, f"the refusal names no planted link: {lines[0]}"
+            what = "symbolic link" if kind == "link" else ""
+            assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and what in lines[0], \
+                f"{todo}: exit 2 but not one line about a {kind} path:\n{done.stderr[-3000:]}"
+            named = [p for p in todo if f"{out / p} is " in lines[0]]
+            assert named, f"the refusal names no planted path: {lines[0]}"
+            changed = sorted(p for p in found.keys() | out_state(out).keys() if found.get(p) != out_state(out).get(p))
+            assert not changed, f"refused for {named[0]} after writing {changed}"
             outcome[named[0]] = "refused"
             todo.remove(named[0])
             continue
@@ -205,6 +228,41 @@ def test_links_at_the_paths_a_resume_writes_one_level_down(first_step, resumed, 
     outcome = check_planted(top, start, fresh, resumed, tmp_path, "remix")
     assert outcome["tb"] == outcome["eval"] == outcome[".remix.lock"] == "refused", outcome
     assert outcome["checkpoint-2"] == "replaced", outcome
+
+
+def resume_in_process(capsys):
+    """start(out) for check_planted: the resume to step 2 in this process (seconds where a new process takes tens)."""
+    def start(out):
+        import remix
+        from machinery import runfolder
+
+        code = 0
+        try:
+            remix.train(remix.Args(resume=str(out), steps=2))
+        except SystemExit as exit_info:
+            code = exit_info.code
+        finally:
+            runfolder.unlock()  # the folder is locked by this process until it ends
+        captured = capsys.readouterr()
+        return types.SimpleNamespace(returncode=code, stderr=captured.err, stdout=captured.out)
+    return start
+
+
+@pytest.mark.slow
+def test_a_file_or_folder_where_a_resume_writes_the_other_is_refused_before_step_1(first_step, resumed, tmp_path,
+                                                                                    capsys):
+    """A plain file where a resume writes a folder (tb, eval, checkpoint-2) and a folder where it writes a file (its
+    logs, plan.json, eval/step-2.jsonl): each refused in one line naming it, with nothing written (a plain file at
+    eval ended in a traceback after a step had run)."""
+    fresh, _ = resume_job(first_step)
+    paths = ["tb", "eval", "checkpoint-2", "metrics.jsonl", "completions.jsonl", "plan.json",
+             os.path.join("eval", "step-2.jsonl")]
+    assert set(paths) <= set(resume_paths(resumed)), resume_paths(resumed)
+    outcome = {}
+    for group in antichains(paths):
+        outcome.update(check_planted(group, resume_in_process(capsys), fresh, resumed, tmp_path / str(len(outcome)),
+                                     "remix", kind="swapped"))
+    assert set(outcome.values()) == {"refused"}, outcome
 
 
 @pytest.mark.slow

@@ -7,11 +7,14 @@ model or dataset moved takes the new place (checked to be the same) and continue
 """
 
 import ast
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -192,6 +195,26 @@ BAD_FOLDERS = {
                                                                   "chat_template.jinja")],
                      "holds no usable tokenizer (it turns text into no tokens"),
     "more-tokens-than-rows": (more_tokens_than_rows, "tokenizer has 264 tokens and the model's embedding 259 rows"),
+    # what transformers itself raises on a folder (a traceback before): one line naming the file
+    "one-layer-more-than-the-weights": (lambda f: edit_json(f / "config.json", num_hidden_layers=3),
+                                        "config.json does not describe a model (ValueError: `num_hidden_layers` (3) "
+                                        "must be equal to the number of `layer_types` (2))"),
+    "a-size-of-another-type": (lambda f: edit_json(f / "config.json", hidden_size="128"),
+                               "config.json does not describe a model (TypeError: Field 'hidden_size' expected int"),
+    "a-negative-size": (lambda f: edit_json(f / "config.json", intermediate_size=-1),
+                        "config.json does not describe a model (RuntimeError: Trying to create tensor with negative "
+                        "dimension -1"),
+    "no-key-value-heads": (lambda f: edit_json(f / "config.json", num_key_value_heads=0),
+                           "config.json does not describe a model (ZeroDivisionError"),
+    "tokenizer-json-not-json": (lambda f: (f / "tokenizer.json").write_text('{"version": "1.0", '),
+                                "tokenizer.json cannot be read as the model's tokenizer (JSONDecodeError"),
+    "tokenizer-json-of-an-unknown-model": (lambda f: edit_json(f / "tokenizer.json", model={"type": "Nope"}),
+                                           "tokenizer.json cannot be read as the model's tokenizer (Exception: data "
+                                           "did not match any variant"),
+    "a-tokenizer-length-of-another-type": (lambda f: edit_json(f / "tokenizer_config.json", model_max_length="lots"),
+                                           "tokenizer_config.json cannot be read as the model's tokenizer (TypeError"),
+    "a-truncated-safetensors-header": (lambda f: (f / "model.safetensors").write_bytes(
+        (f / "model.safetensors").read_bytes()[:40]), "model.safetensors is damaged (SafetensorError"),
 }
 
 
@@ -300,3 +323,233 @@ def test_a_flag_typed_at_its_default_value_on_a_resume_is_named_as_ignored(tmp_p
     monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--kl-beta", "0.01"])  # the saved value
     checkpoints.resume_args(remix.Args(resume=str(tmp_path), kl_beta=0.01), saved, 2)
     assert "ignored" not in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# A resume's inputs against what the run recorded: the dataset's and benchmark files' bytes, the base model's weights
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def recorded(tiny_model, train_file, tmp_path_factory):
+    """A one-step GRPO run (its reference: the base model) with a checkpoint and evaluations, its inputs in places of
+    its own: the base model, the dataset, a benchmark folder holding aime24.jsonl."""
+    from tests.common import BENCH, tiny_args
+
+    root = tmp_path_factory.mktemp("recorded")
+    base, data, bench = root / "base", root / "train.jsonl", root / "bench"
+    shutil.copytree(tiny_model, base)
+    shutil.copy(train_file, data)
+    bench.mkdir()
+    shutil.copy(BENCH / "aime24.jsonl", bench)
+    out = root / "run"
+    try:
+        remix.train(tiny_args(str(base), str(data), out, steps=1, save_every=1, eval_every=1, eval_limit=1,
+                              eval_benchmarks=("aime24",), eval_data_dir=str(bench), algo="grpo", group_size=2,
+                              prompts_per_step=4, max_response_tokens=8))
+    finally:
+        runfolder.unlock()
+    return types.SimpleNamespace(base=base, data=data, bench=bench, out=out)
+
+
+@contextlib.contextmanager
+def edited(path: Path, edit):
+    """path's bytes changed by edit(bytes) -> bytes for the block, then put back."""
+    original = path.read_bytes()
+    try:
+        path.write_bytes(edit(original))
+        yield
+    finally:
+        path.write_bytes(original)
+
+
+def first_answer_changed(raw: bytes) -> bytes:
+    """A .jsonl file's first row with another answer: the same rows, one of them other data."""
+    lines = raw.decode().splitlines(keepends=True)
+    row = json.loads(lines[0])
+    return "".join([json.dumps({**row, "answer": f"{row['answer']}0"}) + "\n", *lines[1:]]).encode()
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+def test_a_dataset_edited_in_place_is_named_on_resume_and_goes_on_only_when_asked(recorded, tmp_path, capsys):
+    import hashlib
+
+    out = copy_of(recorded.out, tmp_path)
+    with edited(recorded.data, first_answer_changed):
+        resume_refused(capsys, out, f"--resume {out}: the run's dataset {recorded.data} has changed since it began "
+                                    f"(another SHA-256 than it recorded); put back (or give the place of) the data the "
+                                    f"run began with, or pass --resume-changed-data", steps=2)
+        try:
+            remix.train(remix.Args(resume=str(out), steps=2, resume_changed_data=True))
+        finally:
+            runfolder.unlock()
+        assert "going on with it as it is now (--resume-changed-data)" in capsys.readouterr().out
+        state = safeload.read_pt(str(out / "checkpoint-2" / "trainer_state.pt"))
+        assert state["inputs"]["dataset"] == hashlib.sha256(recorded.data.read_bytes()).hexdigest()  # from now on
+
+
+def test_a_benchmark_file_edited_in_place_is_named_on_resume(recorded, tmp_path, capsys):
+    out = copy_of(recorded.out, tmp_path)
+    with edited(recorded.bench / "aime24.jsonl", first_answer_changed):
+        resume_refused(capsys, out, f"the benchmark file aime24.jsonl in {recorded.bench} has changed since the run "
+                                    f"began", steps=2)
+
+
+def test_the_dataset_is_read_once_and_its_digest_is_of_the_bytes_parsed(tiny_model, train_file, tmp_path, monkeypatch):
+    """No window between hashing the dataset and reading it: one open, whose bytes are both hashed and parsed."""
+    import builtins
+    import hashlib
+
+    from machinery import run
+    from tests.common import tiny_args
+
+    opened, real_open = [], builtins.open
+
+    def spy(file, *args, **kwargs):
+        if isinstance(file, (str, Path)) and os.path.abspath(file) == os.path.abspath(train_file):
+            opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    try:
+        session = run.Session(tiny_args(tiny_model, train_file, tmp_path / "out"), remix.METHOD)
+    finally:
+        runfolder.unlock()
+    assert len(opened) == 1, opened
+    assert session.inputs["dataset"] == hashlib.sha256(Path(train_file).read_bytes()).hexdigest()
+
+
+def with_weight_changed(source: Path, folder: Path) -> Path:
+    """A copy of a model folder whose final norm's weights are each 1 more: the same config and shapes, other
+    weights."""
+    shutil.copytree(source, folder)
+    edit_weights(folder, lambda w: w["model.norm.weight"].add_(1.0))
+    return folder
+
+
+def test_a_moved_model_with_other_weights_is_refused_on_resume_naming_the_file(recorded, tmp_path, capsys):
+    """Checked by config and shapes only, another model of the same shapes, even the run's own checkpoint, was
+    accepted as the base model moved."""
+    out = copy_of(recorded.out, tmp_path)
+    other = with_weight_changed(recorded.base, tmp_path / "other")
+    resume_refused(capsys, out, f"--model {other} is not where the run's model {recorded.base} moved to (its "
+                                f"model.safetensors differs (another SHA-256))", steps=2, model=str(other))
+    own = tmp_path / "own"
+    shutil.copytree(out / "checkpoint-1", own, ignore=shutil.ignore_patterns("optim", "trainer_state*.pt"))
+    resume_refused(capsys, out, f"--model {own} is not where the run's model {recorded.base} moved to (its "
+                                f"model.safetensors differs (another SHA-256))", steps=2, model=str(own))
+
+
+def test_the_base_model_is_checked_by_its_recorded_digests_moved_or_in_place(recorded, tmp_path, capsys):
+    """The same weights moved pass (hashed, since they moved); weights changed in place are refused; a file touched
+    but not changed passes (hashed again, since its time changed)."""
+    from machinery import inputs
+
+    out = copy_of(recorded.out, tmp_path)
+    state = safeload.read_pt(str(out / "checkpoint-1" / "trainer_state.pt"))
+    weights = state["inputs"]["model"]
+    assert set(weights["files"]) == {"model.safetensors"} and weights["revision"] is None
+    moved = tmp_path / "moved"
+    shutil.copytree(recorded.base, moved)
+    args = remix.Args(**{**state["args"], "model": str(moved), "resume": str(out)})
+    inputs.check_resumed(args, state["args"], state["inputs"], str(out / "checkpoint-1"))  # no SystemExit
+    weights_file = recorded.base / "model.safetensors"
+    os.utime(weights_file)
+    assert inputs.model_changed(str(recorded.base), weights) is None
+    with edited(weights_file, lambda raw: raw[:-4] + bytes(4)):  # the last weight's last value zeroed
+        resume_refused(capsys, out, f"the run's model {recorded.base} is not what the run began with (its "
+                                    f"model.safetensors differs (another SHA-256))", steps=2)
+
+
+def fake_hub_model(cache: Path, repo: str, source: Path, commit: str) -> Path:
+    """A hub model in a local cache laid out as huggingface_hub lays it out: each file a link from the snapshot of
+    a commit to its blob, named by its SHA-256 (the hub's name for a large file's blob)."""
+    import hashlib
+
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (folder / "blobs").mkdir(exist_ok=True)
+    for path in source.iterdir():
+        blob = folder / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copy(path, blob)
+        (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    (folder / "refs").mkdir(exist_ok=True)
+    (folder / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_a_hub_model_is_recorded_by_its_cached_revision_and_blob_digests(tiny_model, tmp_path, monkeypatch):
+    """No hashing for a hub model: the commit of its cached snapshot, and each weight file's SHA-256 as its blob's
+    name; a newer revision in the cache, or a local copy with other weights, is then named."""
+    import hashlib
+
+    import huggingface_hub.constants
+
+    from machinery import inputs
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    first, second = "a" * 40, "b" * 40
+    fake_hub_model(tmp_path / "hub", "org/tiny", Path(tiny_model), first)
+    monkeypatch.setattr(inputs, "file_digest", lambda path: pytest.fail(f"{path} hashed"))
+    weights = inputs.model_record("org/tiny")
+    digest = hashlib.sha256((Path(tiny_model) / "model.safetensors").read_bytes()).hexdigest()
+    assert weights == {"revision": first, "files": {"model.safetensors": {
+        "sha256": digest, "size": (Path(tiny_model) / "model.safetensors").stat().st_size, "mtime_ns": None}}}
+    assert inputs.model_changed("org/tiny", weights) is None
+    fake_hub_model(tmp_path / "hub", "org/tiny", with_weight_changed(Path(tiny_model), tmp_path / "newer"), second)
+    assert inputs.model_changed("org/tiny", weights) == \
+        f"the local cache holds its revision {second[:12]}, the run began on {first[:12]}"
+    monkeypatch.undo()
+    assert inputs.weights_differ(tiny_model, weights, moved=True) is None  # the same weights, moved to a folder
+    assert inputs.weights_differ(str(tmp_path / "newer"), weights, moved=True) == \
+        "its model.safetensors differs (another SHA-256)"
+
+
+def fake_hub_dataset(cache: Path, repo: str, rows_file: str, commit: str, build: Path):
+    """A hub dataset in the datasets library's own cache, as a load of it at `commit` leaves it (the folder of a
+    built copy is named by the commit it was built from): built from a local file by the library itself, then
+    moved to where a hub copy lives."""
+    import datasets
+
+    built = datasets.load_dataset("json", data_files=rows_file, split="train", cache_dir=str(build / commit))
+    source = Path(built.cache_files[0]["filename"]).parent
+    name = repo.split("/")[1]
+    folder = cache / repo.replace("/", "___") / "default" / "0.0.0" / commit
+    folder.mkdir(parents=True)
+    shutil.copy(source / "json-train.arrow", folder / f"{name}-train.arrow")
+    info = json.loads((source / "dataset_info.json").read_text())
+    info.update(config_name="default", dataset_name=name)
+    info["splits"]["train"]["dataset_name"] = name
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+
+
+def test_a_hub_dataset_is_checked_by_the_revision_it_began_on(tiny_model, train_file, tmp_path, monkeypatch, capsys):
+    """The default dataset is a hub id: its revision is recorded, and a resume that would read another one (offline,
+    the datasets library loads the newest cached copy) is named in one line."""
+    import datasets.config
+
+    from tests.common import tiny_args
+
+    cache, first, second = tmp_path / "datasets", "a" * 40, "b" * 40
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 does in a new process
+    fake_hub_dataset(cache, "org/tiny_set", train_file, first, tmp_path / "build")
+    out = tmp_path / "run"
+    try:
+        remix.train(tiny_args(tiny_model, "org/tiny_set", out, steps=1, save_every=1, algo="grpo", group_size=2,
+                              prompts_per_step=4, max_response_tokens=8))
+    finally:
+        runfolder.unlock()
+    state = safeload.read_pt(str(out / "checkpoint-1" / "trainer_state.pt"))
+    assert (state["inputs"]["dataset"], state["inputs"]["dataset_revision"]) == (None, first)
+    edited_rows = tmp_path / "edited.jsonl"
+    edited_rows.write_bytes(first_answer_changed(Path(train_file).read_bytes()))
+    time.sleep(0.01)  # the newer copy is the one with the later modification time
+    fake_hub_dataset(cache, "org/tiny_set", str(edited_rows), second, tmp_path / "build")
+    capsys.readouterr()  # the build's progress bars
+    resume_refused(capsys, out, f"the run's dataset org/tiny_set is at revision {second[:12]} (as the datasets library "
+                                f"loads it here), the run began on {first[:12]}", steps=2)
