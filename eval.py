@@ -55,7 +55,7 @@ class EvalArgs:
     n: int = 1
     """in [1, 1024]: samples per problem (custom protocol)"""
     temperature: float = 0.0
-    """in [0, 100]: 0 is greedy (custom protocol)"""
+    """0 or in [0.01, 100]: 0 is greedy (custom protocol)"""
     top_p: float = 1.0
     """nucleus sampling, in (0, 1] (custom protocol)"""
     max_tokens: int = 8192
@@ -92,7 +92,7 @@ class EvalArgs:
     workers: int = 2
     """in [1, 1024]: grading worker processes"""
     grade_timeout: float = 20.0
-    """in (0, 1e6]: seconds one answer may take to grade before it counts as a failure (and wrong)"""
+    """in [0.5, 1e6]: seconds one answer may take to grade before it counts as a failure (and wrong)"""
     seed: int = 0
     """in [0, 2147483647]: sampling seed (run r of a protocol uses seed + r)"""
     batch_size: int = 64
