@@ -212,6 +212,9 @@ def stamp_of(settings: dict) -> str:
 def saved_settings(out: Path) -> dict | None:
     """OUT/settings.json (an evaluation's settings, or a regrade's source), or None where there is none."""
     path = out / "settings.json"
+    if os.path.lexists(path) and not path.is_file():  # a FIFO would block the read
+        fail(f"{path} is not a regular file (a FIFO, socket or device), and the evaluation reads its settings from "
+             f"it: remove it")
     if not path.is_file():
         return None
     try:

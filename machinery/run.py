@@ -57,9 +57,9 @@ def main(program, prog: str = "remix"):
 
     try:
         result = program()
-    except runfolder.Linked as linked:  # a link where the program writes (inside --out): refused, never followed
+    except runfolder.Unwritable as refused:  # a link or a special file where the program writes: never written
         grader.close_pool()
-        fail(str(linked), prog)
+        fail(str(refused), prog)
     except BaseException as interrupt:  # what breaks after a signal (code that wraps it in its own error) is the signal
         if not signals.from_signal(interrupt):
             raise
