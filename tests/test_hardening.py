@@ -506,6 +506,102 @@ def test_sigterm_and_sighup_end_a_run_with_one_line(signum, code, name, tiny_mod
 
 
 # ----------------------------------------------------------------------------------------------
+# Output nobody reads: a closed stdout or stderr, a reader gone
+# ----------------------------------------------------------------------------------------------
+def test_output_whose_reader_is_gone_is_dropped_and_the_program_goes_on():
+    """startup.Dropping over a pipe whose reader has gone: the write that fails (EPIPE) and every later one, a
+    message (messages.say), a progress meter's lines, are dropped without an exception; the descriptor then points at
+    /dev/null, which the workers a program starts later inherit."""
+    from machinery import messages, progress, startup
+
+    read, write = os.pipe()
+    stream = startup.Dropping(os.fdopen(write, "w"))
+    stream.write("first\n")
+    stream.flush()
+    assert os.read(read, 100) == b"first\n"
+    os.close(read)
+    stream.write("x" * 200_000)  # past the buffer: written at once, and refused
+    stream.flush()
+    meter = progress.Meter("greedy aime24", 10, prog="eval", stream=stream, tty=False)
+    meter.advance(5)
+    meter.finish()
+    messages.say("still here", "eval", stream)
+    assert os.path.samefile(f"/proc/self/fd/{stream.fileno()}", os.devnull)
+    stream.close()
+
+
+UNREAD = {">&-": dict(preexec_fn=lambda: os.close(1)),
+          ">&- 2>&-": dict(preexec_fn=lambda: (os.close(1), os.close(2))),
+          "| head -1": dict(stdout=subprocess.PIPE),
+          "2>&1 | head -1": dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)}
+
+
+def run_unread(form: str, program: str, argv: list, err_file: Path) -> int:
+    """The program started as a shell would start `program ARGV FORM`: its stdout (and stderr) closed, or read for
+    one line and then closed, as head -1 does; stderr into err_file where the form leaves it. Returns the exit code."""
+    with err_file.open("w") as err:
+        proc = subprocess.Popen([sys.executable, str(ROOT / program), *argv], stdin=subprocess.DEVNULL,
+                                **{"stderr": err, **UNREAD[form]}, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        if proc.stdout is not None:
+            proc.stdout.readline()
+            proc.stdout.close()
+        return proc.wait(timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["| head -1", pytest.param(">&-", marks=pytest.mark.long),
+                                  pytest.param("2>&1 | head -1", marks=pytest.mark.long),
+                                  pytest.param(">&- 2>&-", marks=pytest.mark.long)])
+def test_a_run_whose_output_is_closed_or_unread_finishes_as_it_would_have(form, tiny_model, train_file, tmp_path):
+    """Issue 43: `remix.py ... >&-` ended in a traceback before step 1, `remix.py ... | head -1` at the first step's
+    line, the step lost. The run goes on and ends as it would have: exit 0, both steps logged, the last checkpoint
+    whole (its trainer state at step 2), no traceback."""
+    from machinery import checkpoints, safeload
+
+    out = tmp_path / "run"
+    code = run_unread(form, "remix.py", tiny_cli(tiny_model, train_file, out, "--steps", "2", "--save-every", "1",
+                                                 "--log-completions", "2"), tmp_path / "stderr")
+    err = (tmp_path / "stderr").read_text()
+    assert code == 0 and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert [json.loads(line)["step"] for line in (out / "completions.jsonl").open()] == [1, 1, 2, 2]
+    assert checkpoints.complete(str(out)) == [str(out / "checkpoint-2")]
+    assert safeload.read_pt(str(out / "checkpoint-2" / "trainer_state.pt"))["progress"]["step"] == 2
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["| head -1", ">&-", "2>&1 | head -1"])
+def test_an_evaluation_whose_output_is_closed_or_unread_writes_all_it_would_have(form, tiny_model, tmp_path):
+    argv = ["--model", tiny_model, "--benchmarks", "aime24", "amc23", "--limit", "2", "--max-tokens", "6",
+            "--sampler", "hf"]
+    code = run_unread(form, "eval.py", [*argv, "--out", str(tmp_path / "eval")], tmp_path / "stderr")
+    err = (tmp_path / "stderr").read_text()
+    assert code == 0 and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    straight = run_remix(*argv, "--out", str(tmp_path / "straight"), program="eval.py")
+    assert straight.returncode == 0
+    for name in ("summary.json", "results.md"):
+        assert (tmp_path / "eval" / name).read_text() == (tmp_path / "straight" / name).read_text()
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_vllm_run_whose_reader_is_gone_finishes_as_an_unread_one_does(tiny_model, train_file, tmp_path):
+    """The same run on vLLM, its output read by head -1 and by nothing after: the same metrics as with its output
+    read to the end (timings aside)."""
+    runs = {}
+    for form in ("2>&1 | head -1", "read"):
+        out = tmp_path / form.replace(" ", "")
+        argv = tiny_cli(tiny_model, train_file, out, "--steps", "2", "--sampler", "vllm")
+        if form == "read":
+            assert run_remix(*argv, env={"VLLM_CPU_KVCACHE_SPACE": "1"}).returncode == 0
+        else:
+            assert run_unread(form, "remix.py", argv, tmp_path / "stderr") == 0
+        runs[form] = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(out)]
+    assert runs["2>&1 | head -1"] == runs["read"] and len(runs["read"]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
 # eval.py keeps its work
 # ----------------------------------------------------------------------------------------------
 EVAL_FLAGS = ["--benchmarks", "aime24", "amc83", "math500", "--limit", "2", "--max-tokens", "6", "--sampler", "hf"]
