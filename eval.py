@@ -109,7 +109,8 @@ _methods = {}  # file -> its module: each method file is imported once per proce
 def load_method(path: str | None):
     """The method's module, imported from the file the user named with --method (remix.py beside eval.py without
     it); its METHOD and Args are what eval.py uses. A module of the same name that is another file (the repository's
-    remix.py beside a fork named remix.py) is never taken for it."""
+    remix.py beside a fork named remix.py) is never taken for it. The file's folder goes last on sys.path: a module
+    of the fork's own beside it is imported, a torch.py or json.py there is never taken for the installed one."""
     path = os.path.abspath(path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "remix.py"))
     if not (path.endswith(".py") and os.path.isfile(path)):
         fail(f"--method {path!r} is not a Python file; give the method's file, a copy of remix.py (remix_mine.py)")
@@ -121,6 +122,8 @@ def load_method(path: str | None):
         else:
             # a name of its own: no clash with another module of its stem (the repository's remix, another fork)
             name = f"eval_method_{hashlib.sha256(path.encode()).hexdigest()[:12]}_" + re.sub(r"\W", "_", stem)
+            if os.path.dirname(path) not in sys.path:  # last: its helpers are found, never its torch.py for torch
+                sys.path.append(os.path.dirname(path))
             spec = importlib.util.spec_from_file_location(name, path)
             module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
             try:

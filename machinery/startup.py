@@ -25,10 +25,11 @@ def handle(handler):
 
 
 def one_line_interrupts(prog: str):
-    """The program's first call (drop_unwritable_output, then this): until the program installs its own handlers
-    (signals.catch_interrupts), a signal is one line on stderr and the signal's exit code, with nothing written and
-    nothing to resume."""
+    """The program's first call (drop_unwritable_output and script_folder_last, then this): until the program
+    installs its own handlers (signals.catch_interrupts), a signal is one line on stderr and the signal's exit code,
+    with nothing written and nothing to resume."""
     drop_unwritable_output()
+    script_folder_last()
 
     def handler(signum, frame):
         try:
@@ -38,6 +39,16 @@ def one_line_interrupts(prog: str):
         os._exit(EXIT_CODES[signum])
 
     handle(handler)
+
+
+def script_folder_last():
+    """Under `python -P FOLDER/remix_mine.py`, which keeps FOLDER off sys.path, FOLDER goes last: the fork's helper
+    modules there are found, a torch.py or json.py there never shadows an installed package. (Without -P, Python
+    puts FOLDER first before the program's first line: docs/forks/README.md.)"""
+    if sys.flags.safe_path and sys.argv and sys.argv[0].endswith(".py"):
+        folder = os.path.dirname(os.path.abspath(sys.argv[0]))
+        if folder not in sys.path:
+            sys.path.append(folder)
 
 
 class Dropping:
