@@ -55,7 +55,7 @@ class EvalArgs:
     n: int = 1
     """in [1, 1024]: samples per problem (custom protocol)"""
     temperature: float = 0.0
-    """in [0, 100]: 0 is greedy (custom protocol)"""
+    """0 or in [0.01, 100]: 0 is greedy (custom protocol)"""
     top_p: float = 1.0
     """nucleus sampling, in (0, 1] (custom protocol)"""
     max_tokens: int = 8192
@@ -92,7 +92,7 @@ class EvalArgs:
     workers: int = 2
     """in [1, 1024]: grading worker processes"""
     grade_timeout: float = 20.0
-    """in (0, 1e6]: seconds one answer may take to grade before it counts as a failure (and wrong)"""
+    """in [0.5, 1e6]: seconds one answer may take to grade before it counts as a failure (and wrong)"""
     seed: int = 0
     """in [0, 2147483647]: sampling seed (run r of a protocol uses seed + r)"""
     batch_size: int = 64
@@ -109,7 +109,8 @@ _methods = {}  # file -> its module: each method file is imported once per proce
 def load_method(path: str | None):
     """The method's module, imported from the file the user named with --method (remix.py beside eval.py without
     it); its METHOD and Args are what eval.py uses. A module of the same name that is another file (the repository's
-    remix.py beside a fork named remix.py) is never taken for it."""
+    remix.py beside a fork named remix.py) is never taken for it. The file's folder goes last on sys.path: a module
+    of the fork's own beside it is imported, a torch.py or json.py there is never taken for the installed one."""
     path = os.path.abspath(path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "remix.py"))
     if not (path.endswith(".py") and os.path.isfile(path)):
         fail(f"--method {path!r} is not a Python file; give the method's file, a copy of remix.py (remix_mine.py)")
@@ -121,6 +122,8 @@ def load_method(path: str | None):
         else:
             # a name of its own: no clash with another module of its stem (the repository's remix, another fork)
             name = f"eval_method_{hashlib.sha256(path.encode()).hexdigest()[:12]}_" + re.sub(r"\W", "_", stem)
+            if os.path.dirname(path) not in sys.path:  # last: its helpers are found, never its torch.py for torch
+                sys.path.append(os.path.dirname(path))
             spec = importlib.util.spec_from_file_location(name, path)
             module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
             try:
@@ -212,6 +215,9 @@ def stamp_of(settings: dict) -> str:
 def saved_settings(out: Path) -> dict | None:
     """OUT/settings.json (an evaluation's settings, or a regrade's source), or None where there is none."""
     path = out / "settings.json"
+    if os.path.lexists(path) and not path.is_file():  # a FIFO would block the read
+        fail(f"{path} is not a regular file (a FIFO, socket or device), and the evaluation reads its settings from "
+             f"it: remove it")
     if not path.is_file():
         return None
     try:

@@ -92,7 +92,7 @@ class Args:
     mini_batch_prompts: int = 32
     """in [1, 65536]: prompts whose responses form one mini-batch (one optimizer step), over all processes"""
     temperature: float = 1.0
-    """in (0, 100]: sampling temperature for training rollouts (log-probs use the same temperature)"""
+    """in [0.01, 100]: sampling temperature for training rollouts (log-probs use the same temperature)"""
     top_p: float = 1.0
     """nucleus sampling, in (0, 1]; keep 1.0, truncated sampling biases the importance ratios"""
     max_prompt_tokens: int = 1024
@@ -133,7 +133,7 @@ class Args:
     grader_workers: int = 2
     """in [1, 1024]: processes (per rank) that grade answers with math-verify"""
     grade_timeout: float = 20.0
-    """in (0, 1e6]: seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
+    """in [0.5, 1e6]: seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
     seed: int = 1
     """in [0, 2147483647]: seed of python, numpy, torch and of every vLLM request"""
     dist_timeout: float = 60.0

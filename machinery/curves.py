@@ -103,12 +103,13 @@ def draw(folders, out: str) -> dict:
 
 
 def save(fig, path: str):
-    """One figure as a PNG file, never written through a link (a link there is refused in one line)."""
+    """One figure as a PNG file, written anew and renamed into place (runfolder.new_file): a link or a FIFO there is
+    replaced, never written through; a link on the way is refused in one line."""
     import matplotlib.pyplot as plt
 
     try:
-        with runfolder.open_file(path, "wb") as f:
+        with runfolder.new_file(path, "wb") as f:
             fig.savefig(f, format="png", dpi=100)
-    except runfolder.Linked as error:
+    except runfolder.Unwritable as error:
         fail(str(error), "eval")
     plt.close(fig)

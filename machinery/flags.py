@@ -28,8 +28,10 @@ def hint(text: str):
     return arg(help_behavior_hint=text)
 
 
-# A range as a docstring states it: '>= 1', '> 0', 'in [0, 1)', 'in (0, 1]', 'in [0, 2147483647]'
-BOUND = re.compile(r"(>=|>) -?[0-9][0-9.e+-]*|in [\[(]-?[0-9][0-9.e+-]*, -?[0-9][0-9.e+-]*[\])]")
+# A range as a docstring states it: '>= 1', '> 0', 'in [0, 1)', 'in (0, 1]', 'in [0, 2147483647]', and one value
+# beside a range, '0 or in [0.01, 100]' (a temperature: 0 is greedy; one under 0.01 overflows the logits' division)
+NUMBER = r"-?[0-9][0-9.e+-]*"
+BOUND = re.compile(rf"(>=|>) {NUMBER}|({NUMBER} or )?in [\[(]{NUMBER}, {NUMBER}[\])]")
 
 
 @functools.cache
@@ -49,7 +51,7 @@ def ranges(cls) -> dict[str, str]:
             continue
         text = doc.value.value if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else ""
         match = BOUND.search(text if isinstance(text, str) else "")
-        if match is None or not match.group().startswith("in "):  # a number without a ceiling overflows somewhere
+        if match is None or "in " not in match.group():  # a number without a ceiling overflows somewhere
             fail(f"the flag --{name.replace('_', '-')} of {cls.__name__} ({inspect.getsourcefile(cls)}) states no "
                  f"{'upper bound' if match else 'range'}: begin its docstring with a range of both bounds "
                  f"('in [1, 1024]', 'in (0, 1e6]', 'in [0, 1)')")
@@ -58,9 +60,13 @@ def ranges(cls) -> dict[str, str]:
 
 
 def within(value, bound: str) -> bool:
-    """Whether value satisfies a range written as '>= 1', '> 0', 'in [0, 1)', 'in (0, 1]', ..."""
+    """Whether value satisfies a range written as '>= 1', '> 0', 'in [0, 1)', 'in (0, 1]', '0 or in [0.01, 100]', ..."""
     if isinstance(value, float) and not math.isfinite(value):
         return False
+    if " or " in bound:  # one value beside the range
+        point, bound = bound.split(" or ", 1)
+        if value == float(point):
+            return True
     if bound.startswith(">="):
         return value >= float(bound[2:])
     if bound.startswith(">"):

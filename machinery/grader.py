@@ -85,10 +85,12 @@ def _module_key(module: str, path: str | None) -> str:
 
 def resolve(ref: tuple):
     """The function a reference() names, imported in this process: a one-file module from its file (whatever else
-    of that name sys.path or sys.modules holds), a module of a package by name with its folder first on sys.path."""
+    of that name sys.path or sys.modules holds), a module of a package by name; its folder goes last on sys.path, so
+    a module of its own (a fork's helper beside it) is found and a torch.py or json.py there never shadows an
+    installed package."""
     folder, module, name, path = ref
     if folder not in sys.path:
-        sys.path.insert(0, folder)
+        sys.path.append(folder)
     key = _module_key(module, path)
     if path is None:
         return getattr(importlib.import_module(module), name)
@@ -124,11 +126,19 @@ def _importable(fn) -> tuple[str, str, str, str | None]:
 
 class _Worker:
     def __init__(self, fn, warm, warm_args):
-        folder = _importable(fn)[0]
-        # the function's own folder first: a fork run from a folder that holds another remix.py must grade with its
-        # own reward. -P keeps the working directory off sys.path (python -c puts it first), so a tyro.py, sympy.py
-        # or select.py in the folder the user runs from (a downloaded model's, say) is never imported and run
-        start = f"import sys; sys.path[:0] = {[folder, HERE]!r}; from machinery import grader; grader._worker_main()"
+        # the machinery this process runs on, imported from its files (not found by name on sys.path, where a
+        # machinery/ beside a fork would come first); the function's own folder last on sys.path (resolve), after the
+        # installed packages, so a torch.py, json.py or sympy.py beside a fork never runs here. -P keeps the working
+        # directory off sys.path too (python -c puts it first): a tyro.py, sympy.py or select.py in the folder the
+        # user runs from (a downloaded model's, say) is never imported and run
+        package = os.path.join(HERE, "machinery")
+        init = os.path.join(package, "__init__.py")
+        start = ("import importlib.util, sys; "
+                 f"spec = importlib.util.spec_from_file_location('machinery', {init!r}, "
+                 f"submodule_search_locations=[{package!r}]); "
+                 "sys.modules['machinery'] = importlib.util.module_from_spec(spec); "
+                 "spec.loader.exec_module(sys.modules['machinery']); "
+                 f"sys.path.append({_importable(fn)[0]!r}); from machinery import grader; grader._worker_main()")
         self.proc = subprocess.Popen([sys.executable, "-P", "-c", start], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.getcwd())
         self.write, self.read = self.proc.stdin.fileno(), self.proc.stdout.fileno()

@@ -90,7 +90,7 @@ class RunLog:
             if self.failed:  # closing the logs after the failure already reported
                 return
             self.failed = True
-            if isinstance(error, runfolder.Linked):
+            if isinstance(error, runfolder.Unwritable):
                 fail(str(error))
             fail(f"cannot write {what}: {error.strerror or error}; {signals.resume_line(self.out)}")
 

@@ -17,13 +17,38 @@ from machinery import dist, flags, guard, logs, plan, runfolder, signals, startu
 from machinery.messages import fail, say
 
 
-def cli(cls, prog: str = "remix"):
-    """The program's arguments, parsed from the command line into its dataclass by tyro."""
+def cli(cls, prog: str = "remix", argv: list[str] | None = None):
+    """The program's arguments, parsed from the command line (argv: sys.argv[1:]) into its dataclass by tyro: the one
+    parser of remix.py, eval.py and toy.py. A flag it does not know is one line naming the closest one, exit 2
+    (tyro's own report is a box of ten lines); --help is tyro's."""
     try:
         import tyro
     except ImportError:
         fail("tyro (the command-line parser) is not installed: pip install -r requirements.txt", prog)
-    return tyro.cli(cls)
+    args, unknown = tyro.cli(cls, args=argv, return_unknown_args=True)
+    if unknown:
+        fail(unknown_flag_line(unknown, cls), prog)
+    return args
+
+
+def unknown_flag_line(unknown: list[str], cls) -> str:
+    """What is wrong with the first argument the parser did not take, and the closest flag of cls: ['--temprature',
+    '0.5'] -> '--temprature is no flag of remix.py; did you mean --temperature? (remix.py --help lists them)'."""
+    import difflib
+
+    script = os.path.basename(sys.argv[0]) or "the program"
+    first = unknown[0]
+    if not first.startswith("-"):
+        return f"unexpected argument {first!r}: each value follows its flag ({script} --help lists them)"
+    flag = first.split("=", 1)[0]
+    names, hints = [], typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        names.append("--" + field.name.replace("_", "-"))
+        if hints[field.name] is bool:  # a plain switch has its --no- form too
+            names.append("--no-" + field.name.replace("_", "-"))
+    close = difflib.get_close_matches(flag.replace("_", "-"), names, n=1, cutoff=0.6)
+    guess = f"; did you mean {close[0]}?" if close else ""
+    return f"{flag} is no flag of {script}{guess} ({script} --help lists them)"
 
 
 def main(program, prog: str = "remix"):
@@ -33,9 +58,9 @@ def main(program, prog: str = "remix"):
 
     try:
         result = program()
-    except runfolder.Linked as linked:  # a link where the program writes (inside --out): refused, never followed
+    except runfolder.Unwritable as refused:  # a link or a special file where the program writes: never written
         grader.close_pool()
-        fail(str(linked), prog)
+        fail(str(refused), prog)
     except BaseException as interrupt:  # what breaks after a signal (code that wraps it in its own error) is the signal
         if not signals.from_signal(interrupt):
             raise

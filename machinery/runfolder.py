@@ -1,9 +1,12 @@
 """The run folder: where it may be, its lock, refusing to clobber a run, and the only way anything is written there.
 Every file and folder remix.py, eval.py and machinery create, append to, replace, rename, delete or lock goes through
-the primitives at the end (makedirs, open_file, replace, remove, fresh_folder, replace_file), which walk from --out
-down one component at a time with O_NOFOLLOW: a symbolic link inside --out, on the file or on any folder between,
-is never followed (Linked, one line). --out itself, and the folders above it, are the user's to name. A reader of
-the method may skip this module."""
+the primitives at the end (makedirs, open_file, new_file, replace, remove, fresh_folder, replace_file), which walk
+from --out down one component at a time with O_NOFOLLOW: a symbolic link inside --out, on the file or on any folder
+between, is never followed (Linked, one line). Nor is anything written into a file that is not the run's alone: a
+file written whole is written anew and renamed into place (a hard link's other name and a FIFO there are replaced,
+never written into), and a file appended to that is not a regular file, or has another name, is refused in one line
+(Unwritable). --out itself, and the folders above it, are the user's to name. A reader of the method may skip this
+module."""
 
 import contextlib
 import errno
@@ -78,19 +81,14 @@ def lock(out: str, prog: str = "remix"):
             except OSError:  # no folder locks on this file system: the file's lock alone
                 os.close(folder)
                 folder = None
-            handle = open_file(os.path.join(out, LOCK), "a+")
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"{socket.gethostname()} {os.getpid()}\n")
-            handle.flush()
+            handle = _lock_file(os.path.join(out, LOCK))
             _locks.append((handle, folder))
         except BlockingIOError:
             error = f"--out {out} is in use by a running job ({holder(out)}); wait for it to end, or choose another --out"
-        except Linked as caught:
+        except Unwritable as caught:
             error = f"--out {out}: {caught}"
         except OSError as caught:
-            error = f"cannot create --out {out}: {caught.strerror}"
+            error = f"cannot create --out {out}: {caught.strerror or caught}"
         if error and handle is not None:
             handle.close()
         if error and folder is not None:
@@ -100,13 +98,76 @@ def lock(out: str, prog: str = "remix"):
         fail(error, prog)
 
 
+def _lock_file(path: str):
+    """The lock file, naming this process, locked and held open: written anew beside path and renamed over it, so
+    a hard link there (another name's contents) or a FIFO is replaced, never written into; a symbolic link is refused
+    (Linked). A lock file another job holds is never replaced (BlockingIOError): without folder locks (NFS) it is the
+    lock, taken on the file at path (a file renamed away since it was opened is looked at again)."""
+    while True:
+        old = _open_plain(path)  # what is there now, when it is a regular file (none for a FIFO: never opened)
+        try:
+            if old is not None:
+                fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if not _still_at(old, path):
+                    continue
+            aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+            remove(aside, missing_ok=True)
+            handle = open_file(aside, "x")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: no one else holds it
+                handle.write(f"{socket.gethostname()} {os.getpid()}\n")
+                handle.flush()
+                replace(aside, path)
+            except BaseException:
+                handle.close()
+                remove(aside, missing_ok=True)
+                raise
+            handle.buffer.raw.name = path  # as open(path) names it
+            return handle
+        finally:
+            if old is not None:
+                os.close(old)
+
+
+def _open_plain(path: str) -> int | None:
+    """A read-only descriptor of the regular file at path, or None where there is none (nothing, a FIFO, a device:
+    opening one could block or act); a symbolic link is refused (Linked)."""
+    with _parent(path) as (fd, name):
+        try:
+            mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(mode):
+            raise Linked(os.path.abspath(path))
+        if not stat.S_ISREG(mode):
+            return None
+        try:
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+        except FileNotFoundError:
+            return None
+
+
+def _still_at(descriptor: int, path: str) -> bool:
+    """Whether the file open as descriptor is still the one at path (not renamed away since)."""
+    with _parent(path) as (fd, name):
+        try:
+            there = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+    held = os.fstat(descriptor)
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
+
+
 def holder(out: str) -> str:
-    """Who holds --out's lock, as its lock file says (a deleted file says nothing)."""
+    """Who holds --out's lock, as its lock file says (a deleted file says nothing; nothing else is read)."""
     try:
-        with open(os.path.join(out, LOCK), errors="replace") as f:
-            return f.read().strip() or "another process"
-    except OSError:
+        descriptor = _open_plain(os.path.join(out, LOCK))
+    except (OSError, ValueError):
         return "another process"
+    if descriptor is None:
+        return "another process"
+    with os.fdopen(descriptor, errors="replace") as f:
+        return f.read(200).strip() or "another process"
 
 
 def held() -> list:
@@ -147,15 +208,36 @@ def writes_into(out: str):
         _roots.append(path)
 
 
-class Linked(OSError):
+class Unwritable(OSError):
+    """A path where a program writes that it will not write into: one line naming it and what is wrong."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(code, message)
+
+    def __str__(self):
+        return self.strerror
+
+
+class Linked(Unwritable):
     """A symbolic link found where a program writes (the file, or a folder between --out and it): never followed."""
 
     def __init__(self, path: str):
         super().__init__(errno.ELOOP, f"{path} is a symbolic link, and nothing is written through one: remove it "
                                       f"(what it points to is untouched)")
 
-    def __str__(self):
-        return self.strerror
+
+def _check_appendable(descriptor: int, path: str):
+    """A file opened to be appended to is a regular file of one name (Unwritable otherwise): a FIFO would block or
+    feed a reader, and a hard link would write into another name's file too."""
+    found = os.fstat(descriptor)
+    if not stat.S_ISREG(found.st_mode):
+        os.close(descriptor)
+        raise Unwritable(errno.EPERM, f"{path} is not a regular file (a FIFO, socket or device), and nothing is "
+                                      f"written into one: remove it")
+    if found.st_nlink > 1:
+        os.close(descriptor)
+        raise Unwritable(errno.EPERM, f"{path} has {found.st_nlink} hard links (another name shares its contents), "
+                                      f"and nothing is written through one: remove it (the other names keep it)")
 
 
 def _split(path: str) -> tuple[str, list[str]]:
@@ -186,6 +268,9 @@ def _folder(path: str, create: bool) -> int:
             os.close(fd)
             if linked:
                 raise Linked(os.path.join(root, *parts[:depth + 1])) from None
+            if error.errno == errno.ENOTDIR:  # a file, a FIFO where a folder goes: never opened
+                raise Unwritable(errno.ENOTDIR, f"{os.path.join(root, *parts[:depth + 1])} is not a folder, and "
+                                                f"the run writes a folder there: remove it") from None
             raise
         os.close(fd)
         fd = inner
@@ -215,22 +300,30 @@ def makedirs(path: str):
     os.close(_folder(path, create=True))
 
 
-MODES = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-         "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}
+MODES = {"w": os.O_WRONLY | os.O_CREAT | os.O_EXCL, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK,
+         "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}
 
 
 def open_file(path: str, mode: str = "w", **kwargs):
-    """open(path, mode) for writing ('w', 'a', 'a+', 'x', with 'b' for bytes), never through a link: with 'w' a link
-    at path is replaced by the new file (as a rename would), with the others it is refused (Linked)."""
+    """open(path, mode) for writing ('w', 'a', 'a+', 'x', with 'b' for bytes), never through a link: 'w' writes a new
+    file, whatever was at path (a symbolic or hard link, a FIFO) unlinked first, as a rename would replace it; 'a' and
+    'a+' refuse a symbolic link (Linked), and anything but a regular file of one name (Unwritable); 'x' a new file."""
     with _parent(path) as (fd, name):
-        if mode.startswith("w") and _is_link(name, fd):
-            os.unlink(name, dir_fd=fd)
+        if mode.startswith("w"):
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=fd)
         try:
             handle = os.open(name, MODES[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=fd)
         except OSError as error:
             if error.errno == errno.ELOOP:
                 raise Linked(os.path.abspath(path)) from None
+            if error.errno == errno.ENXIO:  # a FIFO no one reads, or a socket
+                raise Unwritable(errno.EPERM, f"{os.path.abspath(path)} is not a regular file (a FIFO, socket or "
+                                              f"device), and nothing is written into one: remove it") from None
             raise
+    if mode.startswith("a"):
+        _check_appendable(handle, os.path.abspath(path))
     opened = os.fdopen(handle, mode, **kwargs)
     (opened.buffer.raw if hasattr(opened, "buffer") else opened.raw).name = path  # as open(path) names it
     return opened
@@ -319,16 +412,18 @@ def _no_links_inside(folder: str, allowed: tuple = ()):
                 raise Linked(os.path.join(inside, name))
 
 
-def replace_file(path: str, lines: list[str]):
-    """path's new content, written aside in its folder, synced and renamed over it: a crash or a signal at any
-    instant leaves the old file or the new one whole (a log rewritten in place lost its rows to a SIGTERM). A link
-    at path is replaced, never followed; the aside file is new (O_EXCL), so a link planted there is refused."""
+@contextlib.contextmanager
+def new_file(path: str, mode: str = "w", **kwargs):
+    """A file to write path's new content into ('w' or 'wb'), written aside in its folder, synced and renamed over
+    path when the block ends: a crash or a signal at any instant leaves the old file or the new one whole (a log
+    rewritten in place lost its rows to a SIGTERM). Whatever was at path (a symbolic or hard link, a FIFO) is
+    replaced, never written into or followed; the aside file is new (O_EXCL), so a link planted there is refused."""
     folder, name = os.path.split(os.path.abspath(path))
     aside = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     remove(aside, missing_ok=True)  # a leftover (or a link) of an earlier process with this pid
     try:
-        with open_file(aside, "x") as f:
-            f.writelines(lines)
+        with open_file(aside, mode.replace("w", "x"), **kwargs) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         replace(aside, path)
@@ -336,6 +431,12 @@ def replace_file(path: str, lines: list[str]):
         remove(aside, missing_ok=True)
     with _parent(path) as (descriptor, _):  # the rename itself reaches the disk
         os.fsync(descriptor)
+
+
+def replace_file(path: str, lines: list[str]):
+    """path's new content, lines of text, as new_file writes it."""
+    with new_file(path) as f:
+        f.writelines(lines)
 
 
 # ----------------------------------------------------------------------------------------------

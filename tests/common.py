@@ -152,7 +152,15 @@ def two_step_ppo_run(model, data, root, keep_last: int, older_full: bool = False
 
 
 def bad_values(bound: str, integer: bool) -> list:
-    """Values just outside a range written as '>= 1', '> 0', 'in [0, 1)', ...; NaN and inf for floats."""
+    """Values just outside a range written as '>= 1', '> 0', 'in [0, 1)', '0 or in [0.01, 100]', ...; NaN and inf
+    for floats; for a value beside a range, the middle of the gap between them and the float next to the value."""
+    import math
+
+    if " or " in bound:
+        point, bound = bound.split(" or ", 1)
+        low = float(bound[4:-1].split(",")[0])
+        gap = [] if integer else [(float(point) + low) / 2, math.nextafter(float(point), low)]
+        return bad_values(bound, integer) + gap
     values = [] if integer else [float("nan"), float("inf")]
     if bound.startswith(">"):
         lo = float(bound.lstrip(">= "))

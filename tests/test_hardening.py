@@ -49,16 +49,17 @@ REMIX_RANGES = {
     "ent_coef": "in [0, 1e6]", "clip_eps": "in (0, 1)", "value_clip": "in (0, 1e6]", "vtrace_c_bar": "in (0, 1e6]",
     "gamma": "in (0, 1]", "gae_lambda": "in [0, 1]", "actor_lr": "in (0, 1]", "critic_lr": "in (0, 1]",
     "weight_decay": "in [0, 1e6]", "max_grad_norm": "in (0, 1e6]", "mini_batch_prompts": "in [1, 65536]",
-    "temperature": "in (0, 100]", "top_p": "in (0, 1]", "max_prompt_tokens": "in [1, 1048576]",
+    "temperature": "in [0.01, 100]", "top_p": "in (0, 1]", "max_prompt_tokens": "in [1, 1048576]",
     "max_response_tokens": "in [1, 1048576]", "sampler_is_cap": "in (0, 1e6]",
     "max_tokens_per_micro_batch": "in [1, 1073741824]", "vllm_gpu_memory_utilization": "in (0, 1)",
-    "vllm_tp": "in [1, 1024]", "grader_workers": "in [1, 1024]", "grade_timeout": "in (0, 1e6]",
+    "vllm_tp": "in [1, 1024]", "grader_workers": "in [1, 1024]", "grade_timeout": "in [0.5, 1e6]",
     "seed": "in [0, 2147483647]", "dist_timeout": "in (0, 1e6]", "save_every": "in [0, 1000000]",
     "keep_last": "in [0, 1000000]", "eval_every": "in [0, 1000000]", "eval_limit": "in [1, 1000000]",
     "eval_max_tokens": "in [1, 1048576]", "log_completions": "in [0, 1048576]"}
-EVAL_RANGES = {"n": "in [1, 1024]", "temperature": "in [0, 100]", "top_p": "in (0, 1]", "max_tokens": "in [1, 1048576]",
+EVAL_RANGES = {"n": "in [1, 1024]", "temperature": "0 or in [0.01, 100]", "top_p": "in (0, 1]",
+               "max_tokens": "in [1, 1048576]",
                "vllm_tp": "in [1, 1024]", "vllm_gpu_memory_utilization": "in (0, 1)", "limit": "in [1, 1000000]",
-               "workers": "in [1, 1024]", "grade_timeout": "in (0, 1e6]", "seed": "in [0, 2147483647]",
+               "workers": "in [1, 1024]", "grade_timeout": "in [0.5, 1e6]", "seed": "in [0, 2147483647]",
                "batch_size": "in [1, 65536]"}
 
 
@@ -142,6 +143,78 @@ def test_each_bad_value_of_an_eval_flag_gets_one_line(name, bound, tiny_model, t
         assert exit_info.value.code == 2 and err == [f"eval: error: --{name.replace('_', '-')} must be {bound}, "
                                                      f"got {value}"], (name, value, err)
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("program, flag, value", [("remix", "temperature", 1e-300), ("remix", "temperature", 0.005),
+                                                   ("remix", "grade_timeout", 1e-300), ("remix", "grade_timeout", 0.4),
+                                                   ("eval", "temperature", 1e-300), ("eval", "grade_timeout", 0.4)])
+def test_a_flag_that_divides_or_times_out_is_refused_under_its_floor(program, flag, value, tiny_model, train_file,
+                                                                     tmp_path, capsys):
+    """Issue 43: --temperature 1e-300 passed its range and crashed mid-run (logits / T overflow: the sampler's
+    probabilities are NaN), --grade-timeout 1e-300 turned every grade into a timeout. Each is refused in one line
+    before anything is written; eval.py's temperature 0 (greedy) is still taken (the bad values of its range, above,
+    include the float next to 0)."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        if program == "remix":
+            remix.train(tiny_args(tiny_model, train_file, out, **{flag: value}))
+        else:
+            eval_cli.main(eval_cli.EvalArgs(model=tiny_model, out=str(out), limit=1, sampler="hf", **{flag: value}))
+    bound = {"temperature": "0 or in [0.01, 100]" if program == "eval" else "in [0.01, 100]",
+             "grade_timeout": "in [0.5, 1e6]"}[flag]
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        f"{program}: error: --{flag.replace('_', '-')} must be {bound}, got {value}"]
+    assert not out.exists()
+    assert flags.within(0.0, flags.ranges(eval_cli.EvalArgs)["temperature"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_temperature_floor_keeps_the_log_probs_finite(dtype):
+    """The arithmetic behind the floor: log pi and the entropy at temperature T (remix.token_logprobs, what the
+    trainer computes; the samplers divide fp32 logits likewise) from logits as large as a model's get, in the
+    model's dtype: finite at 0.01, not at the 1e-300 the range let through."""
+    logits = torch.linspace(-1e4, 1e4, 64).to(dtype).repeat(3, 1)  # [3, V]
+    tokens = torch.tensor([0, 31, 63])  # [3]
+    assert torch.isfinite(remix.token_logprobs(logits, tokens, 0.01)).all()
+    assert not torch.isfinite(remix.token_logprobs(logits, tokens, 1e-300)).all()
+
+
+@pytest.mark.parametrize("cls, argv, line", [
+    ("remix", ["remix.py", "--temprature", "0.5"],
+     "--temprature is no flag of remix.py; did you mean --temperature? (remix.py --help lists them)"),
+    ("remix", ["remix_mine.py", "--steps", "3", "--no-kl-convx"],
+     "--no-kl-convx is no flag of remix_mine.py; did you mean --no-kl-convex? (remix_mine.py --help lists them)"),
+    ("eval", ["eval.py", "--n", "2", "--modle=runs/x"],
+     "--modle is no flag of eval.py; did you mean --model? (eval.py --help lists them)"),
+    ("eval", ["eval.py", "--zzzz", "1"], "--zzzz is no flag of eval.py (eval.py --help lists them)"),
+    ("eval", ["eval.py", "--n", "2", "3"],
+     "unexpected argument '3': each value follows its flag (eval.py --help lists them)"),
+])
+def test_a_misspelled_flag_is_one_line_naming_the_closest_one(cls, argv, line, monkeypatch, capsys):
+    """Issue 43: tyro's box of ten lines for a flag it does not know is one line: the flag, the closest valid one (a
+    switch's --no- form too), --help; exit 2. A command line without one parses as before."""
+    from machinery import run
+
+    target = remix.Args if cls == "remix" else eval_cli.EvalArgs
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        run.cli(target, cls)
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"{cls}: error: {line}"]
+    parsed = run.cli(remix.Args, "remix", ["--temperature", "0.5", "--no-kl-convex", "--eval_every", "3"])
+    assert (parsed.temperature, parsed.kl_convex, parsed.eval_every) == (0.5, False, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program, argv, line", [
+    ("toy/toy.py", ["--stpes", "3"], "toy: error: --stpes is no flag of toy.py; did you mean --steps? (toy.py --help "
+                                     "lists them)"),
+    pytest.param("remix.py", ["--sed", "3"], "remix: error: --sed is no flag of remix.py; did you mean --seed? "
+                 "(remix.py --help lists them)", marks=pytest.mark.long),
+    pytest.param("eval.py", ["--benchmark", "aime24"], "eval: error: --benchmark is no flag of eval.py; did you mean "
+                 "--benchmarks? (eval.py --help lists them)", marks=pytest.mark.long)])
+def test_each_program_parses_its_command_line_with_the_one_parser(program, argv, line):
+    done = run_remix(*argv, program=program)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [line] and not done.stdout, done.stderr
 
 
 def test_track_without_wandb_installed_gets_one_line_and_writes_nothing(tiny_model, train_file, tmp_path, capsys,
@@ -388,6 +461,21 @@ def plant(folder: Path, name: str, marker: Path):
 
 @pytest.mark.long
 @pytest.mark.slow
+def test_a_saved_flag_under_its_floor_is_refused_before_a_resume_runs_a_step(finished_run, tmp_path):
+    """The run's own arguments, read back on --resume (a run saved by an older version, whose range let --temperature
+    1e-300 through), are checked as a command line's are: one line, before step 3."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)
+    state["args"]["temperature"] = 1e-300
+    torch.save(state, out / "checkpoint-2" / "trainer_state.pt")
+    done = run_remix("--resume", str(out), "--steps", "3")
+    one_error_line(done, "--temperature must be in [0.01, 100], got 1e-300")
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and not (out / "checkpoint-3").exists()
+
+
+@pytest.mark.long
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["trainer_state.pt", "optim/rank-0.pt", "model.safetensors", "critic/model.safetensors",
                                   "tokenizer_config.json", "config.json"])
 def test_a_payload_planted_in_any_file_a_resume_reads_never_runs(name, finished_run, tmp_path):
@@ -494,6 +582,102 @@ def test_sigterm_and_sighup_end_a_run_with_one_line(signum, code, name, tiny_mod
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("remix: ") and "%" not in line]
     assert proc.returncode == code and len(lines) == 1 and lines[0].startswith(f"remix: {name} at step "), err[-2000:]
     assert f"continue with --resume {out}" in lines[0] and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------
+# Output nobody reads: a closed stdout or stderr, a reader gone
+# ----------------------------------------------------------------------------------------------
+def test_output_whose_reader_is_gone_is_dropped_and_the_program_goes_on():
+    """startup.Dropping over a pipe whose reader has gone: the write that fails (EPIPE) and every later one, a
+    message (messages.say), a progress meter's lines, are dropped without an exception; the descriptor then points at
+    /dev/null, which the workers a program starts later inherit."""
+    from machinery import messages, progress, startup
+
+    read, write = os.pipe()
+    stream = startup.Dropping(os.fdopen(write, "w"))
+    stream.write("first\n")
+    stream.flush()
+    assert os.read(read, 100) == b"first\n"
+    os.close(read)
+    stream.write("x" * 200_000)  # past the buffer: written at once, and refused
+    stream.flush()
+    meter = progress.Meter("greedy aime24", 10, prog="eval", stream=stream, tty=False)
+    meter.advance(5)
+    meter.finish()
+    messages.say("still here", "eval", stream)
+    assert os.path.samefile(f"/proc/self/fd/{stream.fileno()}", os.devnull)
+    stream.close()
+
+
+UNREAD = {">&-": dict(preexec_fn=lambda: os.close(1)),
+          ">&- 2>&-": dict(preexec_fn=lambda: (os.close(1), os.close(2))),
+          "| head -1": dict(stdout=subprocess.PIPE),
+          "2>&1 | head -1": dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)}
+
+
+def run_unread(form: str, program: str, argv: list, err_file: Path) -> int:
+    """The program started as a shell would start `program ARGV FORM`: its stdout (and stderr) closed, or read for
+    one line and then closed, as head -1 does; stderr into err_file where the form leaves it. Returns the exit code."""
+    with err_file.open("w") as err:
+        proc = subprocess.Popen([sys.executable, str(ROOT / program), *argv], stdin=subprocess.DEVNULL,
+                                **{"stderr": err, **UNREAD[form]}, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        if proc.stdout is not None:
+            proc.stdout.readline()
+            proc.stdout.close()
+        return proc.wait(timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["| head -1", pytest.param(">&-", marks=pytest.mark.long),
+                                  pytest.param("2>&1 | head -1", marks=pytest.mark.long),
+                                  pytest.param(">&- 2>&-", marks=pytest.mark.long)])
+def test_a_run_whose_output_is_closed_or_unread_finishes_as_it_would_have(form, tiny_model, train_file, tmp_path):
+    """Issue 43: `remix.py ... >&-` ended in a traceback before step 1, `remix.py ... | head -1` at the first step's
+    line, the step lost. The run goes on and ends as it would have: exit 0, both steps logged, the last checkpoint
+    whole (its trainer state at step 2), no traceback."""
+    from machinery import checkpoints, safeload
+
+    out = tmp_path / "run"
+    code = run_unread(form, "remix.py", tiny_cli(tiny_model, train_file, out, "--steps", "2", "--save-every", "1",
+                                                 "--log-completions", "2"), tmp_path / "stderr")
+    err = (tmp_path / "stderr").read_text()
+    assert code == 0 and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert [json.loads(line)["step"] for line in (out / "completions.jsonl").open()] == [1, 1, 2, 2]
+    assert checkpoints.complete(str(out)) == [str(out / "checkpoint-2")]
+    assert safeload.read_pt(str(out / "checkpoint-2" / "trainer_state.pt"))["progress"]["step"] == 2
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["| head -1", ">&-", "2>&1 | head -1"])
+def test_an_evaluation_whose_output_is_closed_or_unread_writes_all_it_would_have(form, tiny_model, tmp_path):
+    argv = ["--model", tiny_model, "--benchmarks", "aime24", "amc23", "--limit", "2", "--max-tokens", "6",
+            "--sampler", "hf"]
+    code = run_unread(form, "eval.py", [*argv, "--out", str(tmp_path / "eval")], tmp_path / "stderr")
+    err = (tmp_path / "stderr").read_text()
+    assert code == 0 and "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    straight = run_remix(*argv, "--out", str(tmp_path / "straight"), program="eval.py")
+    assert straight.returncode == 0
+    for name in ("summary.json", "results.md"):
+        assert (tmp_path / "eval" / name).read_text() == (tmp_path / "straight" / name).read_text()
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_vllm_run_whose_reader_is_gone_finishes_as_an_unread_one_does(tiny_model, train_file, tmp_path):
+    """The same run on vLLM, its output read by head -1 and by nothing after: the same metrics as with its output
+    read to the end (timings aside)."""
+    runs = {}
+    for form in ("2>&1 | head -1", "read"):
+        out = tmp_path / form.replace(" ", "")
+        argv = tiny_cli(tiny_model, train_file, out, "--steps", "2", "--sampler", "vllm")
+        if form == "read":
+            assert run_remix(*argv, env={"VLLM_CPU_KVCACHE_SPACE": "1"}).returncode == 0
+        else:
+            assert run_unread(form, "remix.py", argv, tmp_path / "stderr") == 0
+        runs[form] = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(out)]
+    assert runs["2>&1 | head -1"] == runs["read"] and len(runs["read"]) == 2
 
 
 # ----------------------------------------------------------------------------------------------

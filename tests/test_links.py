@@ -8,8 +8,10 @@ covered) is refused in one line or replaced, its target untouched.
 """
 
 import ast
+import errno
 import os
 import shutil
+import stat
 import types
 from pathlib import Path
 
@@ -37,7 +39,10 @@ ALLOWED = {
     ("machinery/checkpoints.py", "write_rank_files", "torch.save"),  # into a file runfolder.open_file opened (twice)
     ("machinery/logs.py", "__init__", "SummaryWriter"),  # OUT/tb, made and checked for links by check_tree first
     ("machinery/logs.py", "__init__", "wandb.init"),  # wandb.init(dir=OUT): OUT/wandb checked by check_tree first
-    ("machinery/curves.py", "save", "fig.savefig"),  # into a file object runfolder.open_file opened
+    ("machinery/curves.py", "save", "fig.savefig"),  # into a file object runfolder.new_file opened
+    ("machinery/startup.py", "drop", "os.open"),  # /dev/null, onto stdout or stderr once it cannot be written
+    ("machinery/startup.py", "drop_unwritable_output", "os.open"),  # /dev/null, onto a standard descriptor closed
+    ("machinery/startup.py", "drop_unwritable_output", "open"),  # descriptor 1 or 2 as a stream, when Python made none
 }
 PROGRAMS = ["remix.py", "eval.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "machinery").glob("*.py"))]
 
@@ -94,6 +99,148 @@ def test_every_write_of_the_programs_goes_through_runfolder():
 
 
 # ----------------------------------------------------------------------------------------------
+# Hard links and special files: nothing is written into a file that is not the run's alone
+# ----------------------------------------------------------------------------------------------
+OUTSIDE = "not the run's\n"
+
+
+def hard_link_or_fifo(kind: str, place: Path, outside: Path):
+    """A hard link at place to outside (a file beyond --out, its bytes OUTSIDE), or a FIFO at place."""
+    outside.write_text(OUTSIDE)
+    if kind == "hard link":
+        os.link(outside, place)
+    else:
+        os.mkfifo(place)
+
+
+def untouched(outside: Path) -> bool:
+    return outside.read_text() == OUTSIDE and outside.stat().st_nlink == 1
+
+
+def plain_file(place: Path) -> bool:
+    """A regular file of one name, the run's alone."""
+    return stat.S_ISREG(place.lstat().st_mode) and place.lstat().st_nlink == 1
+
+
+@pytest.fixture
+def written_folder(tmp_path):
+    from machinery import runfolder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    runfolder.writes_into(str(out))
+    yield out, tmp_path / "outside.txt"
+    runfolder.unlock()
+
+
+def no_folder_locks(monkeypatch):
+    """flock on a folder fails as it does on NFS, where the lock file alone is the lock."""
+    from machinery import runfolder
+
+    real = runfolder.fcntl.flock
+
+    def flock(fd, operation):
+        if stat.S_ISDIR(os.fstat(fd if isinstance(fd, int) else fd.fileno()).st_mode):
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real(fd, operation)
+    monkeypatch.setattr(runfolder.fcntl, "flock", flock)
+
+
+@pytest.mark.parametrize("folder_locks", [True, False])
+@pytest.mark.parametrize("kind", ["hard link", "FIFO"])
+def test_the_lock_file_is_written_anew_over_a_hard_link_or_a_fifo(kind, folder_locks, written_folder, monkeypatch):
+    """Issue 43: OUT/.remix.lock, hard-linked to a file outside --out, was overwritten with the holder's line, and a
+    FIFO there ended in '...: None'. The lock is written anew and renamed into place: the outside file keeps its bytes
+    and its one name, and the new lock names this process and is held (another open of it cannot take it). Without
+    folder locks (NFS) the file is the lock: the same, and one another job holds is never replaced."""
+    import fcntl
+    import socket
+
+    from machinery import runfolder
+
+    out, outside = written_folder
+    place = out / runfolder.LOCK
+    hard_link_or_fifo(kind, place, outside)
+    if not folder_locks:
+        no_folder_locks(monkeypatch)
+    runfolder.lock(str(out))
+    assert untouched(outside) and plain_file(place)
+    assert place.read_text() == f"{socket.gethostname()} {os.getpid()}\n"
+    with open(place) as other, pytest.raises(BlockingIOError):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_without_folder_locks_a_lock_file_another_job_holds_is_never_replaced(written_folder, monkeypatch, capsys):
+    import fcntl
+
+    from machinery import runfolder
+
+    out, _ = written_folder
+    no_folder_locks(monkeypatch)
+    (out / runfolder.LOCK).write_text("elsewhere 4242\n")
+    with open(out / runfolder.LOCK) as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as exit_info:
+            runfolder.lock(str(out))
+        assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+            f"remix: error: --out {out} is in use by a running job (elsewhere 4242); wait for it to end, or choose "
+            f"another --out"]
+        assert (out / runfolder.LOCK).read_text() == "elsewhere 4242\n" and sorted(os.listdir(out)) == [runfolder.LOCK]
+
+
+def write_whole(how: str, path: str):
+    from machinery import runfolder
+
+    if how == "replace_file":
+        runfolder.replace_file(path, ["new\n"])
+    elif how == "new_file":
+        with runfolder.new_file(path, "wb") as f:
+            f.write(b"new\n")
+    else:
+        with runfolder.open_file(path, "w") as f:
+            f.write("new\n")
+
+
+@pytest.mark.parametrize("how", ["replace_file", "new_file", "open_file"])
+@pytest.mark.parametrize("kind", ["hard link", "FIFO"])
+def test_a_file_written_whole_replaces_a_hard_link_or_a_fifo(kind, how, written_folder):
+    """replace_file (the logs' rewrite, plan.json, eval.py's reports), new_file (--curves' plots) and open_file's 'w'
+    (a checkpoint's files): each writes a new file where the hard link or the FIFO was (no open of a FIFO, which would
+    block), the outside file untouched."""
+    out, outside = written_folder
+    place = out / "report.json"
+    hard_link_or_fifo(kind, place, outside)
+    write_whole(how, str(place))
+    assert untouched(outside) and plain_file(place) and place.read_text() == "new\n"
+
+
+@pytest.mark.parametrize("kind, said", [("hard link", "has 2 hard links (another name shares its contents), and "
+                                                      "nothing is written through one: remove it"),
+                                        ("FIFO", "is not a regular file (a FIFO, socket or device), and nothing is "
+                                                 "written into one: remove it"),
+                                        ("FIFO with a reader", "is not a regular file")])
+def test_a_file_appended_to_is_refused_in_one_line_unless_it_is_the_runs_alone(kind, said, written_folder):
+    """A log opened to be appended to ('a', as eval.py appends each benchmark's samples): a hard link or a FIFO (read
+    or not) is refused, naming the file and what is wrong; nothing written, nothing blocked."""
+    from machinery import runfolder
+
+    out, outside = written_folder
+    place = out / "samples.jsonl"
+    hard_link_or_fifo(kind.split(" with")[0], place, outside)
+    reader = os.open(place, os.O_RDONLY | os.O_NONBLOCK) if kind.endswith("reader") else None
+    try:
+        for mode in ("a", "a+", "ab"):
+            with pytest.raises(runfolder.Unwritable) as refused:
+                runfolder.open_file(str(place), mode)
+            assert str(refused.value).startswith(f"{place} {said}"), str(refused.value)
+            assert outside.read_text() == OUTSIDE
+    finally:
+        if reader is not None:
+            assert os.read(reader, 100) == b""  # nothing reached the FIFO's reader
+            os.close(reader)
+
+
+# ----------------------------------------------------------------------------------------------
 # The dynamic check: a link planted at each written path
 # ----------------------------------------------------------------------------------------------
 def listing(folder: Path) -> list[str]:
@@ -105,6 +252,12 @@ def outside_state(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
 
 
+# what a refusal says right after the path, for each kind of thing planted there ("swapped": a file where a folder
+# goes, or a folder where a file goes)
+REFUSALS = {"symbolic link": "is a symbolic link", "hard link": "has 2 hard links", "FIFO": "is not a",
+            "swapped": "is a"}
+
+
 def out_state(out: Path) -> dict:
     """Every entry under out but the lock (which names the job that last held it), links as links: a link's target,
     a file's bytes, a folder's None."""
@@ -114,19 +267,21 @@ def out_state(out: Path) -> dict:
     return {str(p.relative_to(out)): state(p) for p in out.rglob("*") if p.name != ".remix.lock"}
 
 
-def plant(out: Path, path: str, outside: Path, kind_of: Path, kind: str = "link") -> Path:
-    """kind "link": a link at out/path to a new file (or folder, where the baseline had one) outside out, in place of
-    what is there; "swapped": a plain file where the baseline had a folder, a folder where it had a file (nothing
-    outside). The folders above it are made real ones."""
-    target = outside / path.replace(os.sep, "__")
-    if kind == "swapped":
-        pass
+def plant(out: Path, path: str, outside: Path, kind_of: Path, kind: str = "symbolic link") -> Path | None:
+    """A link at out/path to a new file (or folder, where the baseline had one) outside out, in place of what is
+    there; the folders above it are made real ones. kind 'hard link': a hard link to a file outside that holds what
+    the file there held (a copy `cp -al` made, which a program may read; files only); 'FIFO': a FIFO (no target);
+    'swapped': a plain file where the baseline had a folder, a folder where it had a file (no target)."""
+    target, place = outside / path.replace(os.sep, "__"), out / path
+    if kind in ("FIFO", "swapped"):
+        target = None
     elif (kind_of / path).is_dir():
         target.mkdir(parents=True)
         (target / "mine.txt").write_text("not the run's")
+    elif kind == "hard link" and place.is_file() and not place.is_symlink():
+        target.write_bytes(place.read_bytes())
     else:
         target.write_text("not the run's\n")
-    place = out / path
     if place.is_dir() and not place.is_symlink():
         shutil.rmtree(place)
     elif place.exists() or place.is_symlink():
@@ -136,9 +291,23 @@ def plant(out: Path, path: str, outside: Path, kind_of: Path, kind: str = "link"
         place.write_text("a file where the run had a folder\n")
     elif kind == "swapped":
         (place / "inside").mkdir(parents=True)
+    elif kind == "FIFO":
+        os.mkfifo(place)
+    elif kind == "hard link":
+        os.link(target, place)
     else:
         place.symlink_to(target, target_is_directory=target.is_dir())
     return target
+
+
+def still_planted(place: Path, target: Path | None, kind: str) -> bool:
+    if kind == "swapped":
+        return False  # what the job left there is its own
+    if kind == "FIFO":
+        return stat.S_ISFIFO(place.lstat().st_mode) if os.path.lexists(place) else False
+    if kind == "hard link":
+        return place.exists() and not place.is_symlink() and os.path.samefile(place, target)
+    return place.is_symlink() and place.resolve() == target.resolve()
 
 
 def antichains(paths: list[str]) -> list[list[str]]:
@@ -149,12 +318,14 @@ def antichains(paths: list[str]) -> list[list[str]]:
     return [groups[d] for d in sorted(groups)]
 
 
-def check_planted(paths: list[str], start, fresh, baseline: Path, tmp: Path, prog: str, kind: str = "link") -> dict:
-    """Links (or, kind "swapped", a file where a folder was and a folder where a file was: plant) at all of paths at
-    once, in a fresh copy (fresh(folder) makes it); start(folder) runs the job. A run refused in one line must name a
-    planted path, and leave the folder as it found it but its lock (refused before anything is written: a resume
-    before its step 1); that path is recorded as refused and the job runs again without it. When the job ends with
-    exit 0, every remaining link was replaced by a real file or left alone. In every run, no target outside changes.
+def check_planted(paths: list[str], start, fresh, baseline: Path, tmp: Path, prog: str,
+                  kind: str = "symbolic link") -> dict:
+    """Links (or hard links, or FIFOs, or a file where a folder was and a folder where a file was: kind, see plant)
+    at all of paths at once, in a fresh copy (fresh(folder) makes it); start(folder) runs the job. A run refused in
+    one line must name a planted path and say what is wrong with it, and leave the folder as it found it but its lock
+    (refused before anything is written: a resume before its step 1); that path is recorded as refused and the job
+    runs again without it. When the job ends with exit 0, every remaining one was replaced by a real file or left
+    alone. In every run, no target outside changes (its bytes).
     Returns {path: 'refused' | 'replaced' | 'left'}."""
     outcome, todo, attempt = {}, list(paths), 0
     while todo:
@@ -168,11 +339,10 @@ def check_planted(paths: list[str], start, fresh, baseline: Path, tmp: Path, pro
         assert outside_state(outside) == before, f"a target outside --out changed: {done.stderr[-2000:]}"
         lines = [line for line in done.stderr.strip().splitlines() if line.strip() and "%|" not in line]  # no bars
         if done.returncode == 2:
-            what = "symbolic link" if kind == "link" else ""
-            assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and what in lines[0], \
-                f"{todo}: exit 2 but not one line about a {kind} path:\n{done.stderr[-3000:]}"
-            named = [p for p in todo if f"{out / p} is " in lines[0]]
-            assert named, f"the refusal names no planted path: {lines[0]}"
+            assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and REFUSALS[kind] in lines[0], \
+                f"{todo}: exit 2 but not one line about a {kind}:\n{done.stderr[-3000:]}"
+            named = [p for p in todo if f"{out / p} {REFUSALS[kind]}" in lines[0]]
+            assert named, f"the refusal names no planted {kind}: {lines[0]}"
             changed = sorted(p for p in found.keys() | out_state(out).keys() if found.get(p) != out_state(out).get(p))
             assert not changed, f"refused for {named[0]} after writing {changed}"
             outcome[named[0]] = "refused"
@@ -180,8 +350,7 @@ def check_planted(paths: list[str], start, fresh, baseline: Path, tmp: Path, pro
             continue
         assert done.returncode == 0 and "Traceback" not in done.stderr, f"{todo}:\n{done.stderr[-3000:]}"
         for path in todo:
-            place = out / path
-            outcome[path] = "left" if place.is_symlink() and place.resolve() == targets[path].resolve() else "replaced"
+            outcome[path] = "left" if still_planted(out / path, targets[path], kind) else "replaced"
         todo = []
     return outcome
 
@@ -328,4 +497,50 @@ def test_links_at_every_file_curves_draws(resumed, tmp_path):
     draw = lambda out: run_remix("--curves", str(resumed), "--out", str(out), program="eval.py")  # noqa: E731
     assert draw(curves).returncode == 0
     outcome = check_planted(listing(curves), draw, lambda out: out.mkdir(parents=True), curves, tmp_path, "eval")
+    assert set(outcome.values()) == {"replaced"} and len(outcome) == 3, outcome
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("kind", ["hard link", "FIFO"])
+def test_hard_links_and_fifos_at_every_path_a_resume_writes(kind, first_step, resumed, tmp_path):
+    """Issue 43's variant of the links above: a hard link (to a file outside --out) or a FIFO at every file a resume
+    writes, and a FIFO where it writes a folder (tb, eval): each replaced (the other name keeps its bytes) or refused
+    in one line naming it and what is wrong; never written into, never a hang. (A file where a checkpoint's folder
+    goes is a resume's check before step 1, issue 43's item 12; a checkpoint, read before it is written, is written
+    into a new folder, and what it holds is the safe loader's.)"""
+    fresh, start = resume_job(first_step)
+    paths = [p for p in resume_paths(resumed) if not p.startswith("checkpoint-") and (
+        (resumed / p).is_file() or (kind == "FIFO" and p in ("tb", "eval")))]
+    outcome = {}
+    for group in antichains(paths):
+        outcome.update(check_planted(group, start, fresh, resumed, tmp_path / str(len(outcome)), "remix", kind))
+    assert outcome[".remix.lock"] == outcome["plan.json"] == outcome[os.path.join("eval", "step-2.jsonl")] \
+        == "replaced", outcome
+    assert outcome["metrics.jsonl"] == ("replaced" if kind == "hard link" else "refused"), outcome
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("kind", ["hard link", "FIFO"])
+def test_hard_links_and_fifos_at_every_path_an_evaluation_a_regrade_and_curves_write(kind, tiny_model, evaluated,
+                                                                                       resumed, tmp_path):
+    """The same for eval.py: an evaluation continued, a regrade and --curves, over a hard link (holding the bytes the
+    file held, as `cp -al` leaves it) or a FIFO at each file a real one wrote."""
+    evaluate = lambda out: run_remix("--model", tiny_model, *EVAL, "--out", str(out), program="eval.py")  # noqa: E731
+    outcome = check_planted(listing(evaluated), evaluate, lambda out: shutil.copytree(evaluated, out), evaluated,
+                            tmp_path / "eval", "eval", kind)
+    written = "replaced" if kind == "hard link" else "refused"  # eval.py refuses any FIFO in its --out up front
+    assert outcome[".remix.lock"] == "replaced" and outcome["summary.json"] == outcome["results.md"] == written, outcome
+    samples, regraded, curves = tmp_path / "samples.jsonl", tmp_path / "regraded", tmp_path / "curves"
+    shutil.copy(evaluated / "samples.jsonl", samples)
+    regrade = lambda out: run_remix("--regrade", str(samples), "--out", str(out), program="eval.py")  # noqa: E731
+    assert regrade(regraded).returncode == 0
+    outcome = check_planted(listing(regraded), regrade, lambda out: shutil.copytree(regraded, out), regraded,
+                            tmp_path / "re", "eval", kind)
+    assert outcome["samples.jsonl"] == outcome["summary.json"] == "replaced", outcome
+    draw = lambda out: run_remix("--curves", str(resumed), "--out", str(out), program="eval.py")  # noqa: E731
+    assert draw(curves).returncode == 0
+    outcome = check_planted(listing(curves), draw, lambda out: out.mkdir(parents=True), curves, tmp_path / "curves",
+                            "eval", kind)
     assert set(outcome.values()) == {"replaced"} and len(outcome) == 3, outcome

@@ -162,7 +162,7 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
     ("groups", {"prompts_per_step": 1, "off_policy_p": 0.4}, "cannot split into whole fresh and historical groups"),
     ("max-response", {"max_response_tokens": 0}, "--max-response-tokens must be in [1, 1048576], got 0"),
     ("grpo-group", {"algo": "grpo", "group_size": 1}, "--algo grpo needs --group-size >= 2"),
-    ("temperature", {"temperature": 0.0}, "--temperature must be in (0, 100], got 0.0"),
+    ("temperature", {"temperature": 0.0}, "--temperature must be in [0.01, 100], got 0.0"),
     ("tp", {"vllm_tp": 2}, "--vllm-tp 2 must divide the 1 processes"),
 ])
 def test_bad_flags_get_one_clear_line(tiny_model, train_file, tmp_path, capsys, case, overrides, message):

@@ -9,6 +9,7 @@ before anything is written.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +53,122 @@ def test_python_files_in_the_folder_a_user_runs_from_are_never_imported(tiny_mod
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["greedy"]["aime24"]["pass@1"] == 50.0 and summary["greedy"]["aime24"]["grader_failures"] == 0
     assert sorted(p.name for p in cwd.iterdir()) == sorted(f"{name}.py" for name in PLANTED)
+
+
+# ----------------------------------------------------------------------------------------------
+# A fork's folder never shadows an installed package or the machinery
+# ----------------------------------------------------------------------------------------------
+BESIDE = ("json", "torch", "sympy", "select", "pickle")  # the fork's imports, math-verify's, the grader's
+
+
+def fork_folder(folder, method: str = "fork_task.py", source: str | None = None, beside=BESIDE, machinery=True):
+    """A fork's folder: the fork (method), a helper module of its own it imports by name, and beside them modules
+    named after installed ones (and a machinery package) that, if ever imported, leave a file named after
+    themselves there and break what imported them."""
+    folder.mkdir()
+    for name in beside:
+        (folder / f"{name}.py").write_text(
+            f"import os\nopen(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'IMPORTED-{name}'), 'w')\n"
+            f"raise ImportError('{name}.py beside the fork was imported')\n")
+    if machinery:
+        (folder / "machinery").mkdir()
+        (folder / "machinery" / "__init__.py").write_text(
+            "import os\nopen(os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'IMPORTED-machinery'), "
+            "'w')\n")
+    (folder / "forkhelper.py").write_text("BONUS = 7\n")
+    (folder / method).write_text(source or "import json\n\nimport forkhelper\n\n\ndef task(x):\n"
+                                           "    return json.dumps({'x': x, 'bonus': forkhelper.BONUS})\n")
+    return folder
+
+
+def imported_beside(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("IMPORTED-"))
+
+
+def test_a_grader_worker_puts_a_forks_folder_after_the_installed_packages(tmp_path, monkeypatch):
+    """Issue 43: a worker put the task's folder first on sys.path (its start and resolve()), so a json.py beside a
+    fork ran in the worker, and a machinery/ there broke it. The fork's helper, imported by name, still works."""
+    import importlib.util
+
+    from machinery import grader
+
+    folder = fork_folder(tmp_path / "fork")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(folder)])  # as eval.py puts it: last
+    spec = importlib.util.spec_from_file_location("fork_task", folder / "fork_task.py")
+    fork = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork)
+    try:
+        answers = grader.map_with_deadline(fork.task, [(1,), (2,)], 2, 60.0, "timeout")
+    finally:
+        grader.close_pool()
+    assert [json.loads(a) for a in answers] == [{"x": 1, "bonus": 7}, {"x": 2, "bonus": 7}]
+    assert imported_beside(folder) == []
+
+
+def fork_with_helper(where: str, line: str) -> str:
+    """remix.py with `import forkhelper` and one line at the start of the function where (a fork that uses a module
+    of its own in its grader workers)."""
+    source = (ROOT / "remix.py").read_text().replace("import torch\n", "import torch\n\nimport forkhelper\n", 1)
+    head = next(l for l in source.splitlines(keepends=True) if l.startswith(f"def {where}("))
+    body = source[source.index(head) + len(head):]
+    docstring_end = body.index('"""', body.index('"""') + 3) + 4
+    return source.replace(head + body[:docstring_end], head + body[:docstring_end] + f"    {line}\n", 1)
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_eval_method_grades_with_the_forks_helper_and_never_a_module_beside_it(tmp_path):
+    """eval.py --method FOLDER/remix_mine.py: the fork's answer check (every answer right, by its helper's number)
+    runs in the workers, and no torch.py, json.py, sympy.py, math_verify.py, ... in FOLDER is imported by eval.py or
+    by them."""
+    source = fork_with_helper("grade_response", "return (1.0 if forkhelper.BONUS == 7 else 0.0), 'ok'  # fork")
+    folder = fork_folder(tmp_path / "fork", "remix_mine.py", source, (*BESIDE, "math_verify"))
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"benchmark": "aime24", "id": i, "answers": [gold], "response": response})
+                               + "\n" for i, (gold, response) in enumerate([("0.5", "so \\boxed{\\frac{1}{2}}"),
+                                                                           ("204", "\\boxed{205}")])))
+    graded = run_remix("--method", str(folder / "remix_mine.py"), "--regrade", str(samples), "--out",
+                       str(tmp_path / "eval"), cwd=tmp_path, program="eval.py")
+    assert graded.returncode == 0, graded.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["greedy"]["aime24"]["pass@1"] == 100.0 and imported_beside(folder) == []
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_fork_run_from_its_folder_rewards_by_its_helper_and_never_a_module_beside_it(tiny_model, train_file,
+                                                                                       tmp_path):
+    """`cd FOLDER; python remix_mine.py ...`: Python puts FOLDER first in the main process (its own doing, and the
+    fork docs' remedy is python -P); the grader's workers, which alone import math-verify, put it last: the fork's
+    reward part from its helper is logged, a math_verify.py beside it never runs."""
+    source = fork_with_helper("training_reward", "return {'helper': float(forkhelper.BONUS)}, 'ok'  # fork")
+    folder = fork_folder(tmp_path / "fork", "remix_mine.py", source, ("math_verify", "latex2sympy2_extended"),
+                         machinery=False)
+    # the fork's working copy: the machinery beside it, as toy.py makes one
+    shutil.copytree(ROOT / "machinery", folder / "machinery", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "run"
+    done = run_remix(*tiny_cli(tiny_model, train_file, out, "--steps", "1"), cwd=folder,
+                     program=folder / "remix_mine.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_metrics(out)[0]["reward/helper"] == 7.0 and imported_beside(folder) == []
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_python_dash_p_keeps_a_forks_folder_last_in_the_main_process_too(tiny_model, train_file, tmp_path):
+    """The fork docs' remedy for the main process, which remix cannot help (Python put the script's folder first
+    before its first line): a json.py beside FOLDER/remix_mine.py breaks `python FOLDER/remix_mine.py`; `python -P`,
+    the machinery found by PYTHONPATH, runs the fork with its helper (FOLDER last on sys.path) and never the json.py."""
+    source = fork_with_helper("training_reward", "return {'helper': float(forkhelper.BONUS)}, 'ok'  # fork")
+    folder = fork_folder(tmp_path / "fork", "remix_mine.py", source, ("json", "math_verify"), machinery=False)
+    argv = tiny_cli(tiny_model, train_file, tmp_path / "run", "--steps", "1")
+    plain = run_remix(*argv, program=folder / "remix_mine.py", env={"PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    assert plain.returncode == 1 and "json.py beside the fork was imported" in plain.stderr, plain.stderr[-2000:]
+    (folder / "IMPORTED-json").unlink()
+    remedy = subprocess.run([sys.executable, "-P", str(folder / "remix_mine.py"), *argv], capture_output=True,
+                            text=True, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)))
+    assert remedy.returncode == 0, remedy.stderr[-3000:]
+    assert read_metrics(tmp_path / "run")[0]["reward/helper"] == 7.0 and imported_beside(folder) == []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,8 +267,6 @@ TEMPLATES = {
 
 
 def model_with_template(tiny_model, folder, template: str) -> str:
-    import shutil
-
     shutil.copytree(tiny_model, folder)
     (folder / "chat_template.jinja").write_text(template)
     return str(folder)

@@ -979,4 +979,6 @@ def main(cli: ToyArgs):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(ToyArgs))
+    from machinery import run
+
+    main(run.cli(ToyArgs, "toy"))
