@@ -397,7 +397,7 @@ def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, st
 def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
     signals.catch_interrupts()
-    dist.init()
+    dist.init(prog=PROG)
     if args.curves:
         from machinery import curves
 
