@@ -867,6 +867,54 @@ def test_every_collective_waits_at_most_the_dist_timeout(tmp_path):
     assert 2.5 < float(waited[0][1]) < 10  # the 3 s timeout, not gloo's default of 30 minutes
 
 
+def test_a_refusal_on_a_rank_other_than_0_is_said_by_that_rank(monkeypatch, capsys):
+    """messages.fail on rank 1 (its own checkpoint shard, its own GPU): its line, naming the rank, after the wait that
+    lets a rank 0 refusing the same input end the job first; on rank 0 the plain line at once."""
+    from machinery import messages
+
+    monkeypatch.setattr(messages, "OTHER_RANK_WAIT", 0.3, raising=False)
+    for rank, line in ((1, "eval: error: rank 1: its shard is damaged"), (0, "eval: error: its shard is damaged")):
+        monkeypatch.setattr(dist, "rank", lambda: rank)
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as exit_info:
+            messages.fail("its shard is damaged", "eval")
+        waited = time.monotonic() - start
+        assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines() == [line]
+        assert (waited >= 0.3) == (rank == 1)
+
+
+REFUSING = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from machinery import dist, messages, run, signals
+
+def program():  # as remix.py and eval.py run, checking an input once the process group is there
+    signals.catch_interrupts()
+    dist.init()
+    if dist.rank() == 1 or sys.argv[2] == "every-rank":
+        messages.fail(f"planted on rank {dist.rank()}")
+    dist.barrier()
+
+run.main(program)
+"""
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.parametrize("refusing", ["rank-1", "every-rank"])
+def test_a_refusal_under_torchrun_is_one_line_and_ends_every_rank(refusing, tmp_path):
+    """Rank 1 alone refusing says its line itself (rank 0, in a collective, is stopped); every rank refusing the same
+    input is one line, rank 0's (rank 1, waiting to say it, is stopped by torchrun first)."""
+    script = tmp_path / "refuse.py"
+    script.write_text(REFUSING)
+    start = time.monotonic()
+    done = torchrun(str(script), str(HERE), refusing, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("remix: error")]
+    assert done.returncode != 0 and time.monotonic() - start < 120, done.stderr[-3000:]
+    assert errors == [{"rank-1": "remix: error: rank 1: planted on rank 1",
+                       "every-rank": "remix: error: planted on rank 0"}[refusing]], done.stderr[-3000:]
+
+
 def worker_pids(agent: int) -> dict[int, int]:
     """LOCAL_RANK -> pid of torchrun's worker processes."""
     ranks = {}
@@ -1145,6 +1193,28 @@ def test_fsdp_parameter_groups_are_read_in_each_torch_layout(tiny_model):
     assert groups == list(state._fsdp_param_groups) and len(groups) == 1
     assert dist._param_groups(types.SimpleNamespace(_fsdp_param_group=groups[0])) == groups
     assert dist._param_groups(types.SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+@pytest.mark.parametrize("program", ["remix", "eval"])
+def test_a_torch_older_than_the_checked_range_is_refused_at_start(program, tiny_model, train_file, tmp_path, capsys,
+                                                                   monkeypatch):
+    """Where a program starts (dist.init): a torch before 2.11, whose FSDP2 remix was never read against, in one line
+    with nothing written."""
+    from tests.common import refused_in_one_line
+
+    monkeypatch.setattr(torch, "__version__", "2.10.2+cu128")
+    line = refused_in_one_line(program, tiny_model, train_file, tmp_path / "out", capsys)
+    assert "torch 2.10.2+cu128 is older than 2.11: remix runs on torch 2.11 to 2.14" in line, line
+
+
+def test_a_torch_in_the_checked_range_runs_silently_and_a_newer_one_is_warned_about_once(capsys):
+    for version in ("2.11.0+cu130", "2.13.0+cpu", "2.14.0", "2.14.2+cu128"):
+        dist.check_torch(version)
+    assert capsys.readouterr().out == ""
+    for _ in range(2):
+        dist.check_torch("2.15.0.dev20270301+cu130", "eval")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("eval: warning: torch 2.15.0.dev20270301+cu130 is newer than 2.14")
 
 
 @pytest.mark.slow
