@@ -124,6 +124,7 @@ class Session:
         data.check_dataset(args.dataset)  # a folder or a .csv is no hub id
         flags.check_hub({f"--{k}": getattr(args, k) for k in ("model", "dataset") if flags.is_hub_id(getattr(args, k))
                    and not getattr(args, k).endswith((".jsonl", ".json", ".parquet"))})
+        flags.check_hub_weights(args.model)
         self.problems = data.load_problems(args.dataset, args.problem_key, args.answer_key)
         self.tokenizer = load_tokenizer(self.checkpoint or args.model)
         self.method = method
