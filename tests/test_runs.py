@@ -1096,6 +1096,12 @@ def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
     assert result["save_and_resume"]["ok"] and result["save_and_resume"]["steps"] == [3, 3]
     assert set(result["seconds"]) == {"attention", "fp32", "micro", "grpo", "ppo", "save"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
+    # each part's models gone before the next (a run's Session once held them until the next run's ended)
+    assert set(result["leftovers"]) == set(result["seconds"])
+    assert all(left["models_alive"] == [] for left in result["leftovers"].values()), result["leftovers"]
+    for algo in ("ppo", "grpo"):  # each phase's peak beside the plan's figure (the host's on the CPU, 0 measured)
+        phases = result[f"end_to_end_{algo}"]["phases"]
+        assert set(phases) == {"generation", "update"} and all(p["ok"] and p["plan_gib"] > 0 for p in phases.values())
 
 
 PLANTED = """
@@ -1137,6 +1143,52 @@ def test_a_part_of_the_gpu_check_that_fails_or_hangs_leaves_the_others_and_no_fo
     assert result["end_to_end_grpo"]["error"] == "SystemExit: 2" and "planted in the grpo run" in done.stderr
     assert result["end_to_end_ppo"]["error"].startswith("PartTimeout") and result["seconds"]["ppo"] < 60
     assert done.stdout.strip().splitlines()[-1].endswith("failed: fp32, grpo, ppo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
+
+
+PLANTED_PEAK = """
+import dataclasses, importlib.util, os, signal, sys, time
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("gpu_check", Path(sys.argv[1]) / "benchmarks" / "gpu_check.py")
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+from machinery import plan
+
+check.VLLM = False  # transformers' generate, one step: the quicker run (the dry run above has the whole one)
+three_steps = check.run_args
+check.run_args = lambda *args, **kwargs: dataclasses.replace(three_steps(*args, **kwargs), steps=1, eval_every=0)
+plan.free_bytes = lambda path: 1  # the free space at its one reading: no real checkpoint fits
+check.memory = lambda peak=False: 10**13 if peak else 0  # every peak read 10 TB, above any plan
+
+def stopped_by_sigterm(data, out):  # a SIGTERM once a remix run's handlers have replaced the check's own
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+
+check.save_and_resume = stopped_by_sigterm
+check.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+def test_the_gpu_check_flags_a_peak_above_the_plan_plans_no_stubbed_checkpoint_and_ends_143_on_sigterm(tmp_path):
+    """One real GRPO part (the dry run's, one step) with the free space patched to 1 byte and every peak read 10 TB:
+    the run is not refused for a checkpoint the check never writes, each phase's peak is recorded above the plan's
+    figure as a failure, its models are gone after it; then a SIGTERM, after the run replaced the check's handler with
+    remix's, ends the check with 143 (it exited 130: an uncaught KeyboardInterrupt)."""
+    done = subprocess.run([sys.executable, "-c", PLANTED_PEAK, str(HERE), str(tmp_path), "--parts", "grpo,save",
+                           "--budget-s", "1500", "--limit-s", "1500", "--part-limit-s", "1500"],
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=900,
+                          cwd=HERE)
+    assert done.returncode == 143 and "stopped by SIGTERM" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    run = result["end_to_end_grpo"]
+    assert [s["phase"] for s in run["steps"]] == ["mix"], run  # not refused by the disk plan
+    assert "disk: 0.0 MB needed, 0.0 MB there" in done.stdout  # the plan counts no checkpoint, against 1 byte free
+    for phase in ("generation", "update"):
+        row = run["phases"][phase]
+        assert not row["ok"] and row["peak_gib"] > 9000 and 0 < row["plan_gib"] < 100, row
+        assert f"grpo: the {phase} peak" in done.stdout
+    assert result["leftovers"]["grpo"]["models_alive"] == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
 
 
