@@ -209,7 +209,7 @@ def track_loaded(loaded: weakref.WeakSet):
 
 def leftovers(loaded: weakref.WeakSet, before: int) -> dict:
     """What a part left behind: the models it loaded that are still alive, and the GPU memory still allocated above
-    the level before it (GiB; 0 on the CPU)."""
+    the level before it (GiB; 0 on the CPU; for information: CUDA's own workspaces may stay)."""
     gc.collect()
     alive = sorted(type(net).__name__ for net in loaded)
     return {"models_alive": alive, "allocated_above_before_gib": (memory() - before) / GIB}
@@ -643,6 +643,7 @@ def main(argv=None):
             report[key] = f"skipped: past the {budget:.0f} s budget (--budget-s)"
         else:
             start, before = time.perf_counter(), memory()
+            loaded.clear()  # this part's models only: an earlier part's leftover was named with that part
             limit = min(cli.part_limit_s, cli.limit_s - (start - began))
             signal.signal(signal.SIGALRM, on_alarm)
             signal.setitimer(signal.ITIMER_REAL, max(limit, 1.0))
