@@ -175,6 +175,7 @@ def check(args: EvalArgs):
             fail(f"cannot load model {args.model!r}: {error}")
     flags.check_hub({**({"--model": args.model} if flags.is_hub_id(args.model) else {}),
                    **({"--benchmarks": " ".join(args.benchmarks)} if args.hub else {})}, PROG)
+    flags.check_hub_weights(args.model, PROG)
     if dist.world() % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the {dist.world()} processes")
     mine, theirs = load_method(args.method).METHOD.record(), trained_by(args.model)
@@ -421,7 +422,7 @@ def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, st
 def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
     signals.catch_interrupts()
-    dist.init()
+    dist.init(prog=PROG)
     if args.curves:
         from machinery import curves
 

@@ -432,13 +432,14 @@ def policy_forward(model, batch: dict, temperature: float):
     output layer's logits at the positions that predict the response tokens, a chunk of tokens at a time
     (models.chunked_logprobs: [tokens, V] logits never exist whole), in the model's dtype (--precision)."""
     start, tokens = batch["prompt_len"], batch["input_ids"][:, batch["prompt_len"]:]  # [N, L] the response tokens
-    def forward():
-        hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                  position_ids=batch["position_ids"], use_cache=False).last_hidden_state  # [N, P+L, H]
+    def forward(input_ids, attention_mask, position_ids):
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state  # [N, P+L, H]
         hidden = hidden[:, start - 1 : -1].reshape(tokens.numel(), -1)  # [N * L, H]: position P + t - 1 predicts t
         weight = model.get_output_embeddings().weight  # [V, H]
         return models.chunked_logprobs(token_logprobs, hidden, weight, tokens.reshape(-1), temperature)  # [N * L, 2]
-    out = dist.as_forward(model, forward).view(*tokens.shape, 2)  # FSDP2 gathers the root's weights for it
+    out = dist.as_forward(model, forward, batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    out = out.view(*tokens.shape, 2)  # [N, L, 2]: FSDP2 gathered the root's weights for forward, given its inputs
     return out[..., 0], out[..., 1]
 
 

@@ -1269,6 +1269,36 @@ def test_unsharded_restores_each_modules_reshard_setting(tiny_model):
     assert root[1] == [True] and layer[1] == [False]  # the root stays whole after forward, the layers reshard
 
 
+def test_a_sharded_forward_reaches_fsdp2_with_its_inputs(tiny_model, monkeypatch):
+    """policy_forward runs the trunk and the output layer as the sharded model's forward (dist.as_forward). On a GPU,
+    torch 2.11's FSDP2 moves a root forward's inputs to the device (torch.distributed.utils._to_kwargs) and takes the
+    first of what it moved, with no check: a call without inputs raised IndexError on the lent H200, and a CPU device
+    never takes that branch. The spy runs 2.11's branch on what reaches the root's pre-forward, in a pass with
+    gradients and one without, and the batch's token ids must be there."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from torch.distributed.utils import _to_kwargs
+    from transformers import AutoModelForCausalLM
+
+    device = dist.init()
+    policy = dist.shard(AutoModelForCausalLM.from_pretrained(tiny_model), device, torch.float32)
+    real, seen = FSDPState._root_pre_forward, []
+
+    def as_torch_2_11_on_cuda(state, module, args, kwargs):
+        if module is policy and state._state_ctx.iter_forward_root is None:  # the root's entry into a forward
+            moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, False)
+            seen.append([*moved_args[0], *moved_kwargs[0].values()])  # IndexError when both are empty
+        return real(state, module, args, kwargs)
+
+    monkeypatch.setattr(FSDPState, "_root_pre_forward", as_torch_2_11_on_cuda)
+    mb = models.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7]}],
+                        "cpu")
+    logp, _ = remix.policy_forward(policy, mb, 1.0)
+    logp.sum().backward()
+    with torch.no_grad():
+        remix.policy_forward(policy, mb, 1.0)
+    assert len(seen) == 2 and all(any(x is mb["input_ids"] for x in inputs) for inputs in seen)
+
+
 def test_a_pass_without_backward_leaves_the_root_sharded(tiny_model):
     """FSDP2 keeps the root's weights (embeddings, final norm, output layer) whole after a forward, for the backward
     that follows; the frozen reference never runs one, so every no-grad pass reshards them (a whole bf16 copy would

@@ -21,7 +21,9 @@ is past that, recording the part as skipped, and --limit-s (400 s by default) st
 (an alarm; also --part-limit-s, 240 s, for any one part), recording it as timed out. The worst case is so --limit-s
 plus the cleanup of the part that was stopped (its engine shut down, its folders removed): under 7 minutes. Each part
 is guarded: one that raises, calls fail() (SystemExit) or times out is recorded with its error and the rest still run,
-and the check exits 1 at the end if any part failed; a SIGTERM or Ctrl-C ends the check (143, 130).
+and the check exits 1 at the end if any part failed; a SIGTERM or Ctrl-C ends the check (143, 130), also once a
+remix run has put its own handlers in place. After each part, every model it loaded must be gone (weak references;
+on a GPU also the memory still allocated, in the report's "leftovers"): one still alive fails the check.
 OUT_DIR/gpu_check.json is rewritten as each part finishes, every engine is shut down before the next part, and nothing
 large is left under OUT_DIR whatever happens (a part's run folders go with it, failed or not, and the 1.5B model
 folder goes at the end, also after a failure or a SIGTERM): OUT_DIR ends with gpu_check.json and problems.jsonl. No
@@ -38,7 +40,11 @@ short lengths, as a dry run (a test runs it, and one with a planted fail() in a 
    stage), --precision bf16, and evaluations before step 1 and after step 3 (4 AIME problems, 64 tokens): the
    evaluation at step 0, sampling, the push and the steps after it, in the order a default run makes them.
    Random weights rarely emit EOS, so every response runs to the length limit (128 tokens; --full: PPO 512).
-   Reports kl/ref at step 1 (0 before any update) and the checkpoint the run would have written.
+   Reports kl/ref at step 1 (0 before any update) and the checkpoint the run would have written; the checkpoint
+   is stubbed, and so is its share of the run's disk plan (its figures are 0: the check needs no room for one).
+   Each run records the peak memory of its phases beside the plan's figure for that phase (machinery/plan.py, as
+   the run computed it): generation (sampling, the weight push, the evaluations: the engine awake) and the update
+   (the no-grad passes before it counted with it: the engine asleep). A peak above the plan's fails the check.
 3. save: a small model's GRPO run of 3 steps against the same run saved after step 2 and resumed: the CUDA and
    CPU random generators, the optimizer shards and the deque come back, and the two log the same step 3.
 4. tp (two or more GPUs and vLLM): `torchrun --nproc-per-node 2` of one engine sharded over both ranks
@@ -79,6 +85,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +94,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import remix  # noqa: E402
-from machinery import checkpoints, dist, engines, models, signals, startup  # noqa: E402
+from machinery import checkpoints, dist, engines, evaluation, models, plan, signals, startup  # noqa: E402
 from tests.tiny_model import build_tokenizer  # noqa: E402
 
 GIB = 2**30
@@ -140,6 +147,72 @@ def memory(peak: bool = False) -> int:
 def reset_peak() -> None:
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
+
+
+# Each end-to-end run's phases, as the plan counts them (machinery/plan.py): generation with the engine awake
+# (sampling, the weight push that wakes it, the evaluations) and the update with the engine asleep, the no-grad
+# passes before it counted with it (the reference's, pi_k's and the values' forwards: they hold the update's resident
+# state and less than its activations, with the engine asleep). (module, function name, phase)
+PHASES = [(remix, "sample", "generation"), (engines, "push_weights", "generation"),
+          (evaluation, "during_training", "generation"), (remix, "behaviour_and_reference", "update"),
+          (remix, "prox_and_values", "update"), (remix, "update", "update")]
+
+
+def measured_phases(peaks: dict):
+    """The PHASES' functions wrapped, for one run, so that each call's peak allocation goes to peaks[phase] (its
+    maximum); the outermost call measures (a phase's function called inside another's counts with that one).
+    peaks["run"] keeps the whole run's peak across the resets. Returns the function that puts the real ones back."""
+    depth, real = [0], [(module, name, getattr(module, name)) for module, name, _ in PHASES]
+
+    def measured(fn, phase):
+        def call(*args, **kwargs):
+            depth[0] += 1
+            if depth[0] == 1:
+                peaks["run"] = max(peaks.get("run", 0), memory(peak=True))
+                reset_peak()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    peaks[phase] = max(peaks.get(phase, 0), memory(peak=True))
+                    peaks["run"] = max(peaks["run"], peaks[phase])
+        return call
+
+    for (module, name, fn), (_, _, phase) in zip(real, PHASES):
+        setattr(module, name, measured(fn, phase))
+    return lambda: [setattr(module, name, fn) for module, name, fn in real]
+
+
+def against_plan(peaks: dict, planned: dict | None) -> dict:
+    """Each phase's measured peak beside the plan's figure for it; a peak above the plan's fails the check."""
+    rows = {}
+    for phase in ("generation", "update"):
+        figure = planned["memory"][phase] if planned else None
+        rows[phase] = {"peak_gib": peaks.get(phase, 0) / GIB, "plan_gib": figure and figure / GIB,
+                       "ok": figure is not None and peaks.get(phase, 0) <= figure}
+    return rows
+
+
+def track_loaded(loaded: weakref.WeakSet):
+    """Every model the check loads (models.load: the micro part's, each remix run's) remembered weakly: one still
+    alive after its part has ended (and a collection) is a leftover, held by something outside the part."""
+    real = models.load
+
+    def load(*args, **kwargs):
+        nets = real(*args, **kwargs)
+        loaded.update(net for net in nets if net is not None)
+        return nets
+
+    models.load = load
+
+
+def leftovers(loaded: weakref.WeakSet, before: int) -> dict:
+    """What a part left behind: the models it loaded that are still alive, and the GPU memory still allocated above
+    the level before it (GiB; 0 on the CPU; for information: CUDA's own workspaces may stay)."""
+    gc.collect()
+    alive = sorted(type(net).__name__ for net in loaded)
+    return {"models_alive": alive, "allocated_above_before_gib": (memory() - before) / GIB}
 
 
 def build_model(path: Path, small: bool = False) -> None:
@@ -204,26 +277,39 @@ def run_end_to_end(model: Path, data: Path, out: Path, algo: str, response_token
     args = run_args(algo, model, data, out / algo, response_tokens)
     sampler = args.sampler
     threads, real_start, real_save, saves = {}, engines.start, checkpoints.save, []
+    real_check, real_disk, plans, peaks = plan.check, plan.disk, [], {}
     if report is not None and sampler == "vllm":
         engines.start = lambda *a, **k: counted_start(real_start, threads, *a, **k)
     checkpoints.save = lambda out, step, nets, *rest: saves.append(
         {"step": step, "models": sorted(name for name, net in nets.items() if net is not None)})
+    # what the check stubs, the plan does not count: no checkpoint is written, so its disk figures are all 0 (a 1.5B
+    # PPO checkpoint is 43 GB; the H200 machine had 65 GB free)
+    plan.disk = lambda *a, **k: dict.fromkeys(real_disk(*a, **k), 0)
+    plan.check = lambda *a, **k: plans.append(real_check(*a, **k)) or plans[-1]
+    restore_phases = measured_phases(peaks)
     start = time.perf_counter()
     try:
         state = remix.train(args)
     finally:
-        engines.start, checkpoints.save = real_start, real_save
+        engines.start, checkpoints.save, plan.check, plan.disk = real_start, real_save, real_check, real_disk
+        restore_phases()
     seconds = time.perf_counter() - start
     rows = metrics(out / algo)
     keys = ("phase", "perf/step_s", "perf/weight_sync_s", "train/optimizer_steps", "response/length_mean",
             "losses/policy_loss", "kl/ref", "rollouts/total", "mismatch/abs_log_ratio_mean", "mismatch/k3_kl",
             "mismatch/ratio_outside_0.5_2")
-    result = {"sampler": sampler, "seconds": seconds, "peak_gib": memory(peak=True) / GIB,
+    result = {"sampler": sampler, "seconds": seconds, "peak_gib": max(peaks.get("run", 0), memory(peak=True)) / GIB,
               "evaluated_at": [r["step"] for r in rows if "eval/aime24/pass@1" in r], "checkpoints_not_written": saves,
               "steps": [{k: r[k] for k in keys if k in r} for r in rows if r["step"] > 0],
               "finite": all(all(isinstance(v, (int, float)) and v == v for v in r.values()
-                                if isinstance(v, (int, float))) for r in rows)}
+                                if isinstance(v, (int, float))) for r in rows),
+              "phases": against_plan(peaks, plans[-1] if plans else None)}
     print(f"gpu_check: {algo} end to end {json.dumps(result)}", flush=True)
+    for phase, row in result["phases"].items():
+        if not row["ok"]:
+            FAILED.append(f"{algo} {phase} peak")
+            print(f"gpu_check: {algo}: the {phase} peak {row['peak_gib']:.2f} GiB is above the plan's "
+                  f"{row['plan_gib'] or 0:.2f} GiB (machinery/plan.py)", flush=True)
     if report is not None and sampler == "vllm":  # after the timing: the run's own engine and pushed policy
         report["threads"] = {**threads, "after_run": torch.get_num_threads(),  # after_run: for information
                              "ok": "before" in threads and threads["before"] == threads["after"],
@@ -540,11 +626,12 @@ def main(argv=None):
     model, data = out / "r1-distill-1.5b-shaped", out / "problems.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
                             for a in range(10) for b in range(10)))
-    dist.init()  # a group of one, or torchrun's: the models are FSDP2-sharded either way
+    dist.init(prog="gpu_check")  # a group of one, or torchrun's: the models are FSDP2-sharded either way
     report = {"device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)", "torch": torch.__version__,
               "world_size": dist.world(), "vllm": VLLM, "math_verify": GRADER, "gpus": torch.cuda.device_count(),
-              "mode": "full" if full else "quick", "seconds": {}}
-    began = time.perf_counter()
+              "mode": "full" if full else "quick", "seconds": {}, "leftovers": {}}
+    began, loaded = time.perf_counter(), weakref.WeakSet()
+    track_loaded(loaded)
 
     def part(name: str, key: str, fn, *args, needs_grader: bool = False):
         """One part, guarded, its seconds recorded, the report written after it; skipped past the budget."""
@@ -555,7 +642,8 @@ def main(argv=None):
         elif time.perf_counter() - began > budget:
             report[key] = f"skipped: past the {budget:.0f} s budget (--budget-s)"
         else:
-            start = time.perf_counter()
+            start, before = time.perf_counter(), memory()
+            loaded.clear()  # this part's models only: an earlier part's leftover was named with that part
             limit = min(cli.part_limit_s, cli.limit_s - (start - began))
             signal.signal(signal.SIGALRM, on_alarm)
             signal.setitimer(signal.ITIMER_REAL, max(limit, 1.0))
@@ -568,7 +656,10 @@ def main(argv=None):
                 from machinery import grader
 
                 grader.close_pool()  # a part stopped midway leaves no grading workers to the next
-            gc.collect()  # what a failed part still held (its engine, its models) before the next one
+            report["leftovers"][name] = left = leftovers(loaded, before)  # nothing of the part outlives it
+            if left["models_alive"]:
+                FAILED.append(f"{name} leftovers")
+                print(f"gpu_check: {name} left {', '.join(left['models_alive'])} alive after it", flush=True)
         print(f"gpu_check: {key} {json.dumps(report[key]) if isinstance(report[key], str) else 'done'}", flush=True)
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
 
@@ -606,8 +697,10 @@ def main(argv=None):
             report["tensor_parallel"] = "skipped: needs vLLM and two GPUs"
         shutil.rmtree(model, ignore_errors=True)
         part("save", "save_and_resume", save_and_resume, data, out, needs_grader=True)
-    except (Terminated, signals.Stopped):  # a SIGTERM between remix's runs, or one (or Ctrl-C) that a run caught
-        signum = signals.seen() or signal.SIGTERM
+    except (Terminated, KeyboardInterrupt) as stop:
+        # Terminated: a SIGTERM before any remix run. After one, its handlers (signals.catch_interrupts) have replaced
+        # ours: their KeyboardInterrupt names the signal (seen()), during a run or between runs; else it is Ctrl-C
+        signum = signals.seen() or (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
         print(f"gpu_check: stopped by {signal.Signals(signum).name}; the parts done so far are in gpu_check.json",
               flush=True)
         raise SystemExit(startup.EXIT_CODES[signum]) from None

@@ -4,6 +4,7 @@ method may skip this module: a problem is (problem text, gold answer).
 """
 
 import collections
+import contextlib
 import hashlib
 import io
 import json
@@ -13,6 +14,7 @@ import signal
 import stat
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -270,33 +272,62 @@ def template_guard(encode, model: str, prog: str = "remix"):
     """encode(problem) -> token ids, stopped with one line naming the model's chat template when the template
     raises or renders for over TEMPLATE_SECONDS (jinja's sandbox bounds each range() to 100,000 items, not two
     nested loops over them). The deadline is SIGALRM's, so it holds on the main thread only (where remix.py and
-    eval.py render); a template spinning in Python code is stopped there between two of its steps."""
+    eval.py render); a template spinning in Python code is stopped there between two of its steps. A timer the
+    process already had (gpu_check's part limits) keeps its deadline and its handler (_deadline)."""
     fix = "fix or replace the chat_template in its tokenizer_config.json (or chat_template.jinja), or use another model"
 
-    def alarm(signum, frame):
-        raise _TemplateTimeout
-
     def guarded(problem: str) -> list[int]:
-        timed = threading.current_thread() is threading.main_thread()
-        if timed:
-            previous = signal.signal(signal.SIGALRM, alarm)
-            signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
-        try:
-            return encode(problem)
-        except _TemplateTimeout:
-            fail(f"the chat template of {model!r} rendered one prompt for over {TEMPLATE_SECONDS:g} s (a loop "
-                 f"without end?): {fix}", prog)
-        except Exception as error:
-            if not _raised_in_template(error):
-                raise
-            first = str(error).splitlines()[0][:200] if str(error) else ""
-            fail(f"the chat template of {model!r} fails ({type(error).__name__}: {first}): {fix}", prog)
-        finally:
-            if timed:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        with _deadline(TEMPLATE_SECONDS) as outer:
+            try:
+                return encode(problem)
+            except _TemplateTimeout:
+                fail(f"the chat template of {model!r} rendered one prompt for over {TEMPLATE_SECONDS:g} s (a loop "
+                     f"without end?): {fix}", prog)
+            except Exception as error:
+                if outer["fired"] or not _raised_in_template(error):  # the outer timer's error is its own
+                    raise
+                first = str(error).splitlines()[0][:200] if str(error) else ""
+                fail(f"the chat template of {model!r} fails ({type(error).__name__}: {first}): {fix}", prog)
 
     return guarded
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """_TemplateTimeout raised by SIGALRM `seconds` from now, on the main thread (elsewhere: no deadline). The
+    process's own real-time timer and SIGALRM handler, if it had them, come back afterwards with the time they had
+    left; one due sooner fires in its own handler meanwhile (whatever that raises is not the template's: yields
+    {"fired": True} then). Setting the timer to 0 at the end, as this once did, cancelled an outer timer."""
+    if threading.current_thread() is not threading.main_thread():
+        yield {"fired": False}
+        return
+    start, outer = time.monotonic(), {"fired": False}
+    previous = signal.getsignal(signal.SIGALRM)
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer_first = 0 < outer_left < seconds
+
+    def alarm(signum, frame):
+        if not outer_first or outer["fired"]:
+            raise _TemplateTimeout
+        outer["fired"] = True
+        signal.setitimer(signal.ITIMER_REAL, max(seconds - (time.monotonic() - start), 1e-3))  # then ours
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:  # the default action: the process ends, as it would have
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGALRM)
+
+    signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, outer_left if outer_first else seconds)
+    try:
+        yield outer
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        if outer_left > 0 and not outer["fired"]:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-6), outer_interval)
+        elif outer["fired"] and outer_interval > 0:
+            signal.setitimer(signal.ITIMER_REAL, outer_interval, outer_interval)
 
 
 def char_bound(tokenizer, tokens: int) -> int:

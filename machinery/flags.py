@@ -148,3 +148,33 @@ def check_hub(needed: dict, prog: str = "remix"):
         fail(f"the Hugging Face hub ({endpoint.geturl()}) cannot be reached ({error.strerror or error}), and {what} "
              f"{'is a hub id' if len(needed) == 1 else 'are hub ids'}: pass local paths, or set HF_HUB_OFFLINE=1 to "
              f"use the files already in the local cache", prog)
+
+
+def check_hub_weights(model: str, prog: str = "remix"):
+    """A hub model whose weights are pickles only (pytorch_model.bin, no *.safetensors) is refused in one line before
+    anything loads, as a local folder is (safeload.check_model_folder): remix reads safetensors only, and vLLM's
+    loader would end in a traceback. The files are the local cache's snapshot under HF_HUB_OFFLINE=1 (what a load
+    reads then), else the hub's listing; where neither can be read the load says why."""
+    import fnmatch
+
+    from machinery.safeload import PICKLES
+
+    files = hub_files(model) if is_hub_id(model) else None
+    pickles = [f for f in files or [] if any(fnmatch.fnmatch(f, pattern) for pattern in PICKLES)]
+    if pickles and not any(f.endswith(".safetensors") for f in files):
+        fail(f"hub model {model!r} holds its weights as {pickles[0]}, a pickle (loading one can run code), and no "
+             f"*.safetensors: remix never unpickles a model; convert it to safetensors where you trust its source "
+             f"(transformers' from_pretrained, then save_pretrained, writes model.safetensors)", prog)
+
+
+def hub_files(model: str) -> list[str] | None:
+    """The top-level file names of a hub model, or None where they cannot be read (not cached, gated, missing)."""
+    import huggingface_hub
+
+    try:
+        if offline():
+            return sorted(os.listdir(huggingface_hub.snapshot_download(model, local_files_only=True)))
+        return sorted(s.rfilename for s in huggingface_hub.HfApi().model_info(model).siblings or []
+                      if "/" not in s.rfilename)
+    except Exception:  # noqa: BLE001 any failure here only skips this early check: loading the model reports it
+        return None

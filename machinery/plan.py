@@ -3,8 +3,8 @@ config (built on the meta device: no weight read, no code run), the flags and th
 take at the peak of a save, against the free space of --out's file system; each rank's memory (GPU, or the host on a
 CPU), against the device; the host's share (offloaded optimizer state, the whole model a save gathers). A run that
 cannot fit stops in one line naming the flags that make it fit; a close one is warned about. A reader of the method
-may skip this module. The arithmetic is docs/memory.md's; `python -m machinery.plan CONFIG.json ...` prints it for a
-model's config and any flags (benchmarks/plan_figures.py makes the docs' tables with it)."""
+may skip this module. The arithmetic is docs/memory.md's; `python benchmarks/plan_figures.py CONFIG ...` prints it for a
+model's config and any flags (and, without arguments, makes the docs' tables with it)."""
 
 import dataclasses
 import glob

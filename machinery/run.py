@@ -151,14 +151,16 @@ class Session:
         data.check_dataset(args.dataset)  # a folder or a .csv is no hub id
         flags.check_hub({f"--{k}": getattr(args, k) for k in ("model", "dataset") if flags.is_hub_id(getattr(args, k))
                    and not getattr(args, k).endswith((".jsonl", ".json", ".parquet"))})
+        flags.check_hub_weights(args.model)
         recorded = (self.state.get("inputs") if self.state else None) or {}
         recorded = recorded if isinstance(recorded, dict) else {}
         rows, dataset_read = data.read_dataset(args.dataset, revision=recorded.get("dataset_revision"))
         self.problems = data.problems_of(rows, args.dataset, args.problem_key, args.answer_key)
         self.tokenizer = load_tokenizer(self.checkpoint or args.model)
         self.method = method
-        self.encode = data.template_guard(lambda problem: self.method.build_prompt(
-            self.tokenizer, problem, args.prompt_suffix, args.system_prompt), self.checkpoint or args.model)
+        tokenizer = self.tokenizer  # not self: the Session would hold itself through its encoder (a cycle)
+        self.encode = data.template_guard(lambda problem: method.build_prompt(
+            tokenizer, problem, args.prompt_suffix, args.system_prompt), self.checkpoint or args.model)
         if not self.tokenizer.chat_template:
             say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text")
         self.max_chars = data.char_bound(self.tokenizer, args.max_prompt_tokens)  # longer problems cannot fit
@@ -228,6 +230,9 @@ class Session:
 
     def __exit__(self, kind, error, trace):
         self.log.close()
+        # a signal's line after the steps still names the last step, but no longer through this Session: it holds the
+        # models and optimizers, which a process running train() again (gpu_check's parts) must get back
+        signals.running(lambda step=self.step, out=self.args.out: (step, out))
         if error is not None and signals.from_signal(error):
             from machinery import grader  # what breaks after a signal (a writer wraps it in its own error) is the signal
 

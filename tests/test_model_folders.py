@@ -231,6 +231,65 @@ def test_a_model_folder_transformers_would_refuse_or_patch_is_one_line_before_an
     assert not (model / "UNPICKLED").exists()
 
 
+def cached_hub_model(tiny_model, cache: Path, repo: str) -> Path:
+    """The tiny model as the hub's client caches a download of `repo` (models--ORG--NAME/refs/main naming a snapshot
+    folder), its weights a pickle only."""
+    revision = "0" * 40
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(tiny_model, folder / "snapshots" / revision)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(revision)
+    pickled_only(folder / "snapshots" / revision)
+    return folder / "snapshots" / revision
+
+
+@pytest.mark.parametrize("program", ["remix", "eval"])
+@pytest.mark.parametrize("hub", ["offline-cache", "online"])
+def test_a_hub_model_with_pickled_weights_only_is_one_line_before_anything_is_written(
+        hub, program, tiny_model, train_file, tmp_path, capsys, monkeypatch):
+    """A hub id whose weights are pytorch_model.bin alone: under HF_HUB_OFFLINE=1 from the local cache a load would
+    read (eval.py ended in vLLM's "Cannot find any model weights" traceback, or transformers' with --sampler hf), and
+    online from the hub's listing of the model's files (a local server answering the hub client's model-info
+    request, as the hub does)."""
+    import http.server
+    import threading
+
+    import huggingface_hub
+
+    repo = "someorg/pickles-only"
+    snapshot = cached_hub_model(tiny_model, tmp_path / "hub", repo)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    if hub == "online":
+        listing = json.dumps({"id": repo, "siblings": [{"rfilename": p.name} for p in snapshot.iterdir()]}).encode()
+
+        class Hub(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                found = self.path.split("?")[0] == f"/api/models/{repo}"
+                self.send_response(200 if found else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(listing if found else b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    try:
+        line = refused_in_one_line(program, repo, train_file, tmp_path / "out", capsys)
+    finally:
+        if hub == "online":
+            server.shutdown()
+    assert f"hub model {repo!r} holds its weights as pytorch_model.bin, a pickle" in line, line
+    assert not (snapshot / "UNPICKLED").exists()
+
+
 def test_a_vocabulary_padded_past_the_tokenizer_loads(tiny_model, tmp_path):
     """Fewer tokens than embedding rows, as Qwen pads its vocabulary to a multiple of 64: accepted."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

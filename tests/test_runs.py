@@ -867,6 +867,54 @@ def test_every_collective_waits_at_most_the_dist_timeout(tmp_path):
     assert 2.5 < float(waited[0][1]) < 10  # the 3 s timeout, not gloo's default of 30 minutes
 
 
+def test_a_refusal_on_a_rank_other_than_0_is_said_by_that_rank(monkeypatch, capsys):
+    """messages.fail on rank 1 (its own checkpoint shard, its own GPU): its line, naming the rank, after the wait that
+    lets a rank 0 refusing the same input end the job first; on rank 0 the plain line at once."""
+    from machinery import messages
+
+    monkeypatch.setattr(messages, "OTHER_RANK_WAIT", 0.3, raising=False)
+    for rank, line in ((1, "eval: error: rank 1: its shard is damaged"), (0, "eval: error: its shard is damaged")):
+        monkeypatch.setattr(dist, "rank", lambda: rank)
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as exit_info:
+            messages.fail("its shard is damaged", "eval")
+        waited = time.monotonic() - start
+        assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines() == [line]
+        assert (waited >= 0.3) == (rank == 1)
+
+
+REFUSING = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from machinery import dist, messages, run, signals
+
+def program():  # as remix.py and eval.py run, checking an input once the process group is there
+    signals.catch_interrupts()
+    dist.init()
+    if dist.rank() == 1 or sys.argv[2] == "every-rank":
+        messages.fail(f"planted on rank {dist.rank()}")
+    dist.barrier()
+
+run.main(program)
+"""
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.parametrize("refusing", ["rank-1", "every-rank"])
+def test_a_refusal_under_torchrun_is_one_line_and_ends_every_rank(refusing, tmp_path):
+    """Rank 1 alone refusing says its line itself (rank 0, in a collective, is stopped); every rank refusing the same
+    input is one line, rank 0's (rank 1, waiting to say it, is stopped by torchrun first)."""
+    script = tmp_path / "refuse.py"
+    script.write_text(REFUSING)
+    start = time.monotonic()
+    done = torchrun(str(script), str(HERE), refusing, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("remix: error")]
+    assert done.returncode != 0 and time.monotonic() - start < 120, done.stderr[-3000:]
+    assert errors == [{"rank-1": "remix: error: rank 1: planted on rank 1",
+                       "every-rank": "remix: error: planted on rank 0"}[refusing]], done.stderr[-3000:]
+
+
 def worker_pids(agent: int) -> dict[int, int]:
     """LOCAL_RANK -> pid of torchrun's worker processes."""
     ranks = {}
@@ -1048,6 +1096,12 @@ def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
     assert result["save_and_resume"]["ok"] and result["save_and_resume"]["steps"] == [3, 3]
     assert set(result["seconds"]) == {"attention", "fp32", "micro", "grpo", "ppo", "save"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
+    # each part's models gone before the next (a run's Session once held them until the next run's ended)
+    assert set(result["leftovers"]) == set(result["seconds"])
+    assert all(left["models_alive"] == [] for left in result["leftovers"].values()), result["leftovers"]
+    for algo in ("ppo", "grpo"):  # each phase's peak beside the plan's figure (the host's on the CPU, 0 measured)
+        phases = result[f"end_to_end_{algo}"]["phases"]
+        assert set(phases) == {"generation", "update"} and all(p["ok"] and p["plan_gib"] > 0 for p in phases.values())
 
 
 PLANTED = """
@@ -1089,6 +1143,52 @@ def test_a_part_of_the_gpu_check_that_fails_or_hangs_leaves_the_others_and_no_fo
     assert result["end_to_end_grpo"]["error"] == "SystemExit: 2" and "planted in the grpo run" in done.stderr
     assert result["end_to_end_ppo"]["error"].startswith("PartTimeout") and result["seconds"]["ppo"] < 60
     assert done.stdout.strip().splitlines()[-1].endswith("failed: fp32, grpo, ppo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
+
+
+PLANTED_PEAK = """
+import dataclasses, importlib.util, os, signal, sys, time
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("gpu_check", Path(sys.argv[1]) / "benchmarks" / "gpu_check.py")
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
+from machinery import plan
+
+check.VLLM = False  # transformers' generate, one step: the quicker run (the dry run above has the whole one)
+three_steps = check.run_args
+check.run_args = lambda *args, **kwargs: dataclasses.replace(three_steps(*args, **kwargs), steps=1, eval_every=0)
+plan.free_bytes = lambda path: 1  # the free space at its one reading: no real checkpoint fits
+check.memory = lambda peak=False: 10**13 if peak else 0  # every peak read 10 TB, above any plan
+
+def stopped_by_sigterm(data, out):  # a SIGTERM once a remix run's handlers have replaced the check's own
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+
+check.save_and_resume = stopped_by_sigterm
+check.main(sys.argv[2:])
+"""
+
+
+@pytest.mark.slow
+def test_the_gpu_check_flags_a_peak_above_the_plan_plans_no_stubbed_checkpoint_and_ends_143_on_sigterm(tmp_path):
+    """One real GRPO part (the dry run's, one step) with the free space patched to 1 byte and every peak read 10 TB:
+    the run is not refused for a checkpoint the check never writes, each phase's peak is recorded above the plan's
+    figure as a failure, its models are gone after it; then a SIGTERM, after the run replaced the check's handler with
+    remix's, ends the check with 143 (it exited 130: an uncaught KeyboardInterrupt)."""
+    done = subprocess.run([sys.executable, "-c", PLANTED_PEAK, str(HERE), str(tmp_path), "--parts", "grpo,save",
+                           "--budget-s", "1500", "--limit-s", "1500", "--part-limit-s", "1500"],
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=900,
+                          cwd=HERE)
+    assert done.returncode == 143 and "stopped by SIGTERM" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    run = result["end_to_end_grpo"]
+    assert [s["phase"] for s in run["steps"]] == ["mix"], run  # not refused by the disk plan
+    assert "disk: 0.0 MB needed, 0.0 MB there" in done.stdout  # the plan counts no checkpoint, against 1 byte free
+    for phase in ("generation", "update"):
+        row = run["phases"][phase]
+        assert not row["ok"] and row["peak_gib"] > 9000 and 0 < row["plan_gib"] < 100, row
+        assert f"grpo: the {phase} peak" in done.stdout
+    assert result["leftovers"]["grpo"]["models_alive"] == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "problems.jsonl"]  # nothing left
 
 
@@ -1145,6 +1245,28 @@ def test_fsdp_parameter_groups_are_read_in_each_torch_layout(tiny_model):
     assert groups == list(state._fsdp_param_groups) and len(groups) == 1
     assert dist._param_groups(types.SimpleNamespace(_fsdp_param_group=groups[0])) == groups
     assert dist._param_groups(types.SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+@pytest.mark.parametrize("program", ["remix", "eval"])
+def test_a_torch_older_than_the_checked_range_is_refused_at_start(program, tiny_model, train_file, tmp_path, capsys,
+                                                                   monkeypatch):
+    """Where a program starts (dist.init): a torch before 2.11, whose FSDP2 remix was never read against, in one line
+    with nothing written."""
+    from tests.common import refused_in_one_line
+
+    monkeypatch.setattr(torch, "__version__", "2.10.2+cu128")
+    line = refused_in_one_line(program, tiny_model, train_file, tmp_path / "out", capsys)
+    assert "torch 2.10.2+cu128 is older than 2.11: remix runs on torch 2.11 to 2.14" in line, line
+
+
+def test_a_torch_in_the_checked_range_runs_silently_and_a_newer_one_is_warned_about_once(capsys):
+    for version in ("2.11.0+cu130", "2.13.0+cpu", "2.14.0", "2.14.2+cu128"):
+        dist.check_torch(version)
+    assert capsys.readouterr().out == ""
+    for _ in range(2):
+        dist.check_torch("2.15.0.dev20270301+cu130", "eval")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("eval: warning: torch 2.15.0.dev20270301+cu130 is newer than 2.14")
 
 
 @pytest.mark.slow

@@ -292,3 +292,46 @@ def test_a_chat_template_that_raises_or_never_ends_stops_in_one_line_before_anyt
     assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(f"{program}: error: the chat template of "
                                                                               f"{model!r}") and message in err[0], err
     assert time.monotonic() - start < 30 and not out.exists()
+
+
+class OuterDeadline(Exception):
+    """What an outer timer's handler raises (gpu_check's PartTimeout, for one)."""
+
+
+def test_an_outer_timer_survives_the_template_guard(tiny_model, tmp_path):
+    """The guard's own deadline once ended by setting the process's timer to 0, cancelling any outer one (gpu_check's
+    limit on each part). An outer timer due after a render fires then, once, with its own handler; one due during a
+    render (a template that never ends) fires there, and what its handler raises comes out as it is, not as the
+    template's failure; the guard leaves no timer and no handler of its own behind."""
+    from machinery import data
+    from machinery.run import load_tokenizer
+    import remix
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(time.monotonic()))
+    try:
+        tokenizer = load_tokenizer(tiny_model)
+        encode = data.template_guard(lambda problem: remix.build_prompt(tokenizer, problem), tiny_model)
+        start = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        assert encode("What is 1 + 1?") and not fired
+        assert 0.5 < signal.getitimer(signal.ITIMER_REAL)[0] <= 1.0  # counting down, from where it was
+        while not fired and time.monotonic() - start < 3:
+            time.sleep(0.02)
+        assert len(fired) == 1 and 0.9 < fired[0] - start < 2.0
+
+        endless = load_tokenizer(model_with_template(tiny_model, tmp_path / "model", TEMPLATES["endless"][0]))
+        encode = data.template_guard(lambda problem: remix.build_prompt(endless, problem), tiny_model)
+
+        def outer_deadline(signum, frame):
+            raise OuterDeadline
+        signal.signal(signal.SIGALRM, outer_deadline)
+        start = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(OuterDeadline):
+            encode("What is 1 + 1?")
+        assert time.monotonic() - start < 2.0  # the outer's 0.3 s, not the guard's 5
+        assert signal.getsignal(signal.SIGALRM) is outer_deadline and signal.getitimer(signal.ITIMER_REAL) == (0, 0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
