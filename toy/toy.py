@@ -6,6 +6,8 @@
     python toy/toy.py --out docs/toy --replot   # the tables and plots again from the committed results.json
     python toy/toy.py --pin docs/toy/pinned_curve.json   # the short run tests/test_toy.py compares bit for bit
     python toy/toy.py --method remix_mine.py   # a fork beside remix.py: about 10 minutes on 2 idle cores
+    python toy/toy.py --method remix_mine.py --method-args="--my-flag 0.3"   # with flags of its own, for its runs
+    python toy/toy.py --forks --seeds 5 --out runs/forks   # every fork of docs/forks against remix.py: forks.md
 
 The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.py's answer check (evaluation.math_reward).
 The base model is a tiny Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed
@@ -39,18 +41,21 @@ and the plots.
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import os
+import platform
 import random
 import statistics
 import subprocess
 import sys
 import time
+import traceback
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-
-import tyro
 
 # A pinned run (--pin) must give the same bits on any x86-64 machine, but torch and MKL pick kernels for the CPU
 # at hand (AVX2, AVX-512), and those round differently: a base model built with AVX2 kernels differs from one built
@@ -139,9 +144,21 @@ class ToyArgs:
     """run only the short pinned run (a small base, 4 steps of ReMix-GRPO, seed 1) and write its curve here"""
     method: str | None = None
     """a fork of remix.py (remix_mine.py): train --configs (default remix-grpo remix-ppo) with it and with remix.py at
-    the same seeds, and write both curves and the rollouts-to-target table (method.md, method.png) into --out"""
+    the same seeds, and write the verdict, both curves and the rollouts-to-target table (method.md, method.png) into
+    --out"""
+    method_args: str = ""
+    """the --method file's own flags, written as on its command line, for its runs only (remix.py's keep remix.py's
+    settings), as in --method-args="--my-flag 0.3 --other" (the = keeps them one value)"""
+    forks: bool = False
+    """every fork of docs/forks against remix.py, each at the configurations it fits (forks.md, forks.json in --out;
+    held-out evaluation at the last step only unless --eval-every)"""
     jobs: tuple[str, ...] = ()
     """(internal: how the workers are started) runs for one worker process, as config@seed@lr@steps@T"""
+    probe: bool = False
+    """(internal: the probe's workers) the --jobs are probes: no held-out evaluation, the policy's weights kept as a
+    digest"""
+    check_method: bool = False
+    """(internal: the early check's child process) import the method as the jobs do and check --method-args"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,23 +272,32 @@ def job_name(config: str, seed: int, lr: float, steps: int, T: int) -> str:
     return f"{config}@{seed}@{lr:g}@{steps}@{T}"
 
 
-def run_dir(out: str, job: str, eval_every: int) -> Path:
-    """A run's folder under --out; a run evaluated every 3 steps (the study's grid) is not one evaluated every 6."""
+def run_dir(out: str, job: str, eval_every: int, probe: bool = False) -> Path:
+    """A run's folder under --out; a run evaluated every 3 steps (the study's grid) is not one evaluated every 6, and a
+    probe (its first steps, no evaluation) is kept apart from the runs."""
     config, seed, lr, steps, T = job.split("@")
+    if probe:
+        return Path(out) / "probes" / config.replace("/", "_") / f"lr{lr}-steps{steps}-T{T}" / f"seed{seed}"
     grid = "" if eval_every == 3 else f"-every{eval_every}"
     return Path(out) / "runs" / config.replace("/", "_") / f"lr{lr}-steps{steps}-T{T}{grid}" / f"seed{seed}"
 
 
-def run_args(config: str, seed: int, lr: float, steps: int, T: int, toy: str, folder: Path):
+def shared_settings(steps: int, T: int, lr: float) -> dict:
+    """The remix.Args the toy sets for every configuration, and for both arms of a comparison (--method-args refuses
+    them: toy_flag_for)."""
+    return dict(steps=steps, reincarnate_step=T, kl_convex_start=T // 3, kl_convex_every=2,
+                max_response_tokens=MAX_TOKENS, temperature=1.0, actor_lr=lr, critic_lr=1e-3, sampler="hf",
+                save_every=0, grader_workers=1, max_prompt_tokens=256, overwrite=True, eval_every=0, log_completions=0)
+
+
+def run_args(config: str, seed: int, lr: float, steps: int, T: int, toy: str, folder: Path,
+             method_flags: dict | None = None):
+    """One run's remix.Args: the toy's settings, the configuration's, and on a method's arm its own flags."""
     import remix
 
-    shared = dict(steps=steps, reincarnate_step=T, kl_convex_start=T // 3, kl_convex_every=2,
-                  max_response_tokens=MAX_TOKENS, temperature=1.0, actor_lr=lr, critic_lr=1e-3, sampler="hf",
-                  save_every=0, grader_workers=1, max_prompt_tokens=256, overwrite=True, eval_every=0,
-                  log_completions=0)
     overrides = {k: v for k, v in config_of(config).items() if k != "fork"}
-    return remix.Args(**{**shared, **overrides}, model=str(Path(toy) / "base"),
-                      dataset=str(Path(toy) / "train.jsonl"), out=str(folder), seed=seed)
+    return remix.Args(**{**shared_settings(steps, T, lr), **overrides, **(method_flags or {})},
+                      model=str(Path(toy) / "base"), dataset=str(Path(toy) / "train.jsonl"), out=str(folder), seed=seed)
 
 
 def zero_spread_share(samples: list[dict]) -> float | None:
@@ -284,48 +310,63 @@ def zero_spread_share(samples: list[dict]) -> float | None:
 
 
 def config_of(name: str) -> dict:
-    """A configuration's remix.Args overrides; NAME+LABEL is configuration NAME run by the method of --method."""
+    """A configuration's remix.Args overrides; NAME+LABEL is configuration NAME run by the arm LABEL (--method)."""
     return CONFIGS[name.split("+")[0]]
 
 
-def project(method: Path, folder: Path, diff: Path | None = None) -> Path:
-    """folder/remix.py, a copy of the method file (with a docs/forks diff applied), and the machinery: what the jobs
-    of a configuration import as remix (TOY_PROJECT)."""
+@functools.cache
+def patched_remix(diff: Path) -> bytes:
+    """remix.py with a docs/forks diff applied (in a scratch folder), as bytes; one line if it no longer applies."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as work:
+        shutil.copy(ROOT / "remix.py", Path(work) / "remix.py")
+        done = subprocess.run(["git", "apply", str(diff)], cwd=work, capture_output=True, text=True)
+        if done.returncode != 0:
+            refuse(f"{diff.name} no longer applies to remix.py ({(done.stderr.strip().splitlines() or ['?'])[0]})")
+        return (Path(work) / "remix.py").read_bytes()
+
+
+def project(code: bytes, folder: Path) -> Path:
+    """folder/remix.py holding a method's code, beside a copy of the machinery: what the jobs of an arm import as remix
+    (TOY_PROJECT). remix.py is written last, so a folder left half made by a stopped toy is made again."""
     import shutil
 
     if not (folder / "remix.py").exists():
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        shutil.copy(method, folder / "remix.py")
         shutil.copytree(ROOT / "machinery", folder / "machinery", ignore=shutil.ignore_patterns("__pycache__"))
-        if diff is not None:
-            subprocess.run(["git", "apply", str(diff)], cwd=folder, check=True)
+        (folder / "remix.py").write_bytes(code)
     return folder
 
 
 def fork_project(fork: str, cache: Path) -> Path:
     """A copy of remix.py with docs/forks/FORK.diff applied, and the machinery, for the jobs of a configuration."""
-    return project(ROOT / "remix.py", cache / "forks" / fork, ROOT / "docs" / "forks" / f"{fork}.diff")
-
-
-def method_label(method: Path) -> str:
-    """The name a user's method file runs under: its stem and the start of its sha256 (an edited file is new)."""
-    import hashlib
-
-    return f"{method.stem}-{hashlib.sha256(method.read_bytes()).hexdigest()[:8]}"
-
-
-def method_project(method: Path, cache: Path, label: str) -> Path:
-    """A user's method file (a fork of remix.py under any name) as remix.py, and the machinery, in the folder of the
-    label its jobs were named with (method_label, taken once)."""
-    return project(method, cache / "methods" / label)
+    return project(patched_remix(ROOT / "docs" / "forks" / f"{fork}.diff"), cache / "forks" / fork)
 
 
 def bucket_of(length: int) -> str:
     return next(f"{lo}-{hi}" for lo, hi in BUCKETS if lo <= length <= hi)
 
 
-def run(job: str, toy: str, out: str, eval_every: int) -> dict:
+def weights_digest(model) -> str:
+    """sha256 of a model's weights, bit for bit (the probe compares two arms by it)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # remix shards it (FSDP2's DTensor)
+        digest.update(name.encode())
+        digest.update(whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run(job: str, toy: str, out: str, eval_every: int, method_args: str = "", probe: bool = False) -> dict:
+    """One run of the real remix.train loop, its held-out Pass@1 every eval_every steps and at the end; a probe
+    evaluates nothing. method_args: the flags of the arm's method (remix here is that method's file)."""
     import torch
 
     torch.set_num_threads(1)  # two runs share the two cores
@@ -337,7 +378,7 @@ def run(job: str, toy: str, out: str, eval_every: int) -> dict:
     meta = json.loads((Path(toy) / "meta.json").read_text())
     curve = [{"step": 0, "accuracy": meta["test_accuracy"], "length": meta["test_length"],
               "worked_share": meta["test_worked_share"], "rollouts": 0, "tokens": 0, "seconds": 0.0}]
-    per_step, start = [], time.perf_counter()
+    per_step, start, weights = [], time.perf_counter(), {}
 
     def on_step(step, record, policy, tokenizer, batch):
         # the Whipping-Effect question: for historical samples, log(pi_k / mu) and the advantage by length
@@ -354,61 +395,75 @@ def run(job: str, toy: str, out: str, eval_every: int) -> dict:
         per_step.append({"step": step, "reward": record["reward/mean"], "length": record["response/length_mean"],
                          "worked_share": worked, "log_ratio_sd": record["offpolicy/log_ratio_std"],
                          "trace_prod_mean": record["offpolicy/trace_prod_mean"],
+                         "clipfrac": record.get("losses/clipfrac"),
                          "historical_zero_spread": zero_spread_share([s for s in batch if s["version"] < step]),
                          "historical_by_length": {k: {"n": n, "log_ratio": lr_sum / n, "advantage": adv_sum / n}
                                                   for k, (n, lr_sum, adv_sum) in sorted(buckets.items())}})
-        if step % eval_every == 0 or step == steps:
+        if step == steps:
+            weights["policy"] = weights_digest(policy)
+        if not probe and (step % eval_every == 0 or step == steps):
             accuracy, length, worked_eval = pass_at_1(policy, tokenizer, test, EVAL_TEMPERATURE)
             record["eval/accuracy"] = accuracy
             curve.append({"step": step, "accuracy": accuracy, "length": length, "worked_share": worked_eval,
                           "rollouts": record["rollouts/total"], "tokens": record["rollouts/generated_tokens"],
                           "seconds": time.perf_counter() - start})
 
-    folder = run_dir(out, job, eval_every)
+    folder = run_dir(out, job, eval_every, probe)
     import contextlib
     import io
 
+    flags = parse_method_args(remix.Args, method_args) if method_args else {}
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):  # parallel bars
-        remix.train(run_args(config, seed, lr, steps, T, toy, folder), on_step=on_step)
-    result = {"config": config, "seed": seed, "lr": lr, "steps": steps, "T": T, "curve": curve, "per_step": per_step}
+        remix.train(run_args(config, seed, lr, steps, T, toy, folder, flags), on_step=on_step)
+    result = {"config": config, "seed": seed, "lr": lr, "steps": steps, "T": T, "curve": curve, "per_step": per_step,
+              "weights_sha256": weights.get("policy")}
     (folder / "curve.json").write_text(json.dumps(result))
-    print(f"toy: {config} lr {lr:g} seed {seed} ({steps} steps): accuracy {curve[0]['accuracy']:.3f} -> "
-          f"{curve[-1]['accuracy']:.3f}, {curve[-1]['rollouts']} rollouts, {curve[-1]['seconds']:.0f} s", flush=True)
+    if not probe:
+        print(f"toy: {config} lr {lr:g} seed {seed} ({steps} steps): accuracy {curve[0]['accuracy']:.3f} -> "
+              f"{curve[-1]['accuracy']:.3f}, {curve[-1]['rollouts']} rollouts, {curve[-1]['seconds']:.0f} s",
+              flush=True)
     return result
 
 
-def run_jobs(jobs: list[str], cli: ToyArgs, toy: str) -> list[dict]:
+def run_jobs(jobs: list[str], cli: ToyArgs, toy: str, arms: dict | None = None, probe: bool = False) -> list[dict]:
     """The jobs over --workers processes with one core each; each process runs its share one after another,
-    so imports and the grader worker are paid once per process. Finished runs are read back, not repeated."""
-    todo = [j for j in jobs if not (run_dir(cli.out, j, cli.eval_every) / "curve.json").exists()]
+    so imports and the grader worker are paid once per process. Finished runs are read back, not repeated.
+    arms: label -> Arm, for the jobs of CONFIG+LABEL (a method beside remix.py)."""
+    jobs = list(dict.fromkeys(jobs))  # a job named twice (the same arm twice) runs once
+    todo = [j for j in jobs if not (run_dir(cli.out, j, cli.eval_every, probe) / "curve.json").exists()]
 
-    def project_of(job: str) -> Path | None:  # what the job imports as remix: remix.py, a docs/forks fork, --method
+    def side_of(job: str) -> tuple:  # what the job imports as remix (remix.py, a fork's folder) and the flags it gets
         config = job.split("@")[0]
         if "+" in config:
-            return method_project(Path(cli.method), Path(toy), config.split("+", 1)[1])  # CONFIG+LABEL
+            arm = arms[config.split("+", 1)[1]]
+            return arm.project, arm.method_args
         fork = CONFIGS[config].get("fork")
-        return fork_project(fork, Path(toy)) if fork else None
+        return (fork_project(fork, Path(toy)) if fork else None), ""
 
-    projects = [project_of(j) for j in todo]
-    for folder in dict.fromkeys(projects):  # one pool per project
-        run_pool([j for j, p in zip(todo, projects) if p == folder], cli, toy, folder)
-    return [json.loads((run_dir(cli.out, j, cli.eval_every) / "curve.json").read_text()) for j in jobs]
+    sides = [side_of(j) for j in todo]
+    shares = []  # each a worker process: one side's jobs, split over --workers
+    for side in dict.fromkeys(sides):
+        mine = [j for j, s in zip(todo, sides) if s == side]
+        shares += [(side, mine[i :: cli.workers]) for i in range(min(cli.workers, len(mine)))]
+    run_pool(shares, cli, toy, probe)
+    return [json.loads((run_dir(cli.out, j, cli.eval_every, probe) / "curve.json").read_text()) for j in jobs]
 
 
-def run_pool(todo: list[str], cli: ToyArgs, toy: str, folder: Path | None):
-    """The jobs of one project (remix.py, a fork of it in folder) over --workers processes."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **({"TOY_PROJECT": str(folder)} if folder else {}))
+def run_pool(shares: list[tuple], cli: ToyArgs, toy: str, probe: bool = False):
+    """Worker processes, --workers at a time: each runs one share ((project, method_args), jobs), importing as remix
+    the repository's remix.py (project None) or the project folder's."""
 
     def worker(share):
-        if not share:
-            return
+        (folder, method_args), jobs = share
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **({"TOY_PROJECT": str(folder)} if folder else {}))
         done = subprocess.run([sys.executable, str(HERE / "toy.py"), "--cache", toy, "--out", cli.out, "--eval-every",
-                               str(cli.eval_every), "--jobs", *share], env=env, stderr=subprocess.PIPE, text=True)
+                               str(cli.eval_every), f"--method-args={method_args}", *(["--probe"] if probe else []),
+                               "--jobs", *jobs], env=env, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"toy runs {share} failed:\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"toy runs {jobs} failed:\n{done.stderr[-3000:]}")
 
     with concurrent.futures.ThreadPoolExecutor(cli.workers) as pool:
-        list(pool.map(worker, [todo[i :: cli.workers] for i in range(cli.workers)]))
+        list(pool.map(worker, shares))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -764,14 +819,32 @@ def never_as_null(x):
     return None if x == math.inf else x
 
 
-def write_outputs(results: list[dict], cli: ToyArgs, out: Path, cpu_capability: str | None = None) -> str:
-    """results.json (a target never reached is null), results.md and the plots; returns the tables. cpu_capability:
-    torch's CPU kernels the runs ran on (default this machine's)."""
+def machine(workers: int) -> dict:
+    """The machine the runs ran on: the CPU's model name and count, torch's version and CPU kernels, the threads of a
+    run and the runs at a time, the OS. The study's numbers depend on the CPU's kernels and threads (docs/toy)."""
+    import torch
+
+    model = None
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
+    return {"cpu": model or platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads_per_run": 1, "workers": workers, "os": platform.platform(), "python": platform.python_version()}
+
+
+def write_outputs(results: list[dict], cli: ToyArgs, out: Path, saved: dict | None = None) -> str:
+    """results.json (a target never reached is null), results.md and the plots; returns the tables. saved: the record
+    replotted, whose machine is kept as it was recorded (none where it recorded none); else this machine's."""
     summary = summarize(results, cli)
     import torch
 
-    record = {"settings": dataclasses.asdict(cli), "cpu_capability": cpu_capability or torch.backends.cpu.get_cpu_capability(),
-              "configs": CONFIGS, "summary": summary, "runs": results}
+    record = {"settings": dataclasses.asdict(cli)}
+    if saved is None:
+        record |= {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": machine(cli.workers)}
+    else:
+        record |= {k: saved[k] for k in ("cpu_capability", "machine") if k in saved}
+    record |= {"configs": CONFIGS, "summary": summary, "runs": results}
     (out / "results.json").write_text(json.dumps(never_as_null(record), indent=1, allow_nan=False))
     table = markdown(summary)
     (out / "results.md").write_text(table)
@@ -780,71 +853,479 @@ def write_outputs(results: list[dict], cli: ToyArgs, out: Path, cpu_capability: 
 
 
 # ----------------------------------------------------------------------------------------------
-# A user's method beside remix.py (--method): the same configurations and seeds, both curves, the rollouts to target
+# A method beside remix.py (--method, --forks): the method checked first (its import and its own flags, in a child
+# process), a probe of both arms' first steps, the runs at the same configurations and seeds, the verdict in words
 # ----------------------------------------------------------------------------------------------
 METHOD_CONFIGS = ("remix-grpo", "remix-ppo")  # --method's default configurations
+PROBE_STEPS = 2  # the probe: both arms' first steps of the first configuration at seed 1, the weights compared
+CHECK_SECONDS = 300  # the early check's child process: an import that takes longer is one line
+# remix.Args fields the toy sets for both arms, beyond shared_settings and the configurations, and its flag for each
+TOY_FLAGS = {"steps": "--steps", "reincarnate_step": "--reincarnate-step", "kl_convex_start": "--reincarnate-step",
+             "kl_convex_every": "--reincarnate-step", "actor_lr": "--lr", "eval_every": "--eval-every",
+             "seed": "--seeds", "out": "--out", "model": "--cache", "dataset": "--cache", "resume": None,
+             "resume_other_method": None, "track": None}
+# docs/forks: what each changes (forks.md); the algorithms it fits (a change to GRPO's groups is GRPO's only); the
+# flags that turn its change on, where it sits behind a flag of its own that is off by default (none today)
+FORK_CHANGES = {
+    "clip_centred_at_one": "PPO's clip around 1 instead of Mix-PPG's around pi_k/mu",
+    "clip_higher_replayed_only": "DAPO's wider upper clip (eps_high 0.28) on replayed samples only",
+    "dapo_clip_higher": "DAPO's asymmetric clip, eps_low 0.2 and eps_high 0.28, on every sample",
+    "dr_grpo": "Dr. GRPO: no std normalisation of the group advantage; sums divided by a constant",
+    "format_reward": "0.1 more reward for a response with a boxed answer",
+    "grpo_informative_groups": "groups whose rewards are all equal are not stored for replay",
+    "gspo_sequence_ratio": "GSPO's length-normalised sequence ratio, clipped at 3e-4 / 4e-4",
+    "kl_precedent_previous_policy": "KL-Convex's precedent is pi_{k-1} instead of pi_k",
+    "length_penalty": "0.001 less reward a token, 0.1 less for a response cut at the limit",
+    "p_schedule": "p(t) falls linearly to 0 over T steps instead of switching off at T",
+    "recency_weighted_replay": "a batch i steps old weighs 2^-(i-1) in the replay draw",
+    "sequence_mean": "the loss is the mean over responses of their token means",
+}
+FORK_ALGOS = {"grpo_informative_groups": ("grpo",), "dr_grpo": ("grpo",)}  # the rest: GRPO and PPO
+FORK_ARGS: dict[str, str] = {}
+# why the toy does not resolve a fork (forks.md): what the fork acts on, against what the toy's runs hold
+FORK_WHY: dict[str, str] = {}
 
 
-def method_comparison(results: list[dict], configs: list[str], label: str) -> dict:
-    """For each configuration, the method (runs of CONFIG+LABEL) against remix.py (runs of CONFIG) at the same seeds:
-    final accuracies, and the rollouts (and tokens) each needs to reach remix.py's median final accuracy (compare(),
-    with remix.py in the place of the baseline)."""
+@dataclass
+class Arm:
+    """One side of a comparison: a method's code, read once, its own flags and the configurations it runs."""
+    name: str  # what tables call it: remix_mine.py, dr_grpo, remix.py
+    source: str  # what a refusal names: the file, or the diff applied to remix.py
+    code: bytes
+    configs: tuple
+    method_args: str = ""  # its flags as given on the command line
+    flags: dict = dataclasses.field(default_factory=dict)  # ... as its own Args read them (check_arm)
+    label: str = ""  # its runs are CONFIG+LABEL (name_arm)
+    project: Path | None = None  # the folder its jobs import remix from; None: the repository's remix.py
+
+
+def refuse(message: str):
+    """Bad input: one line on stderr and exit 2, before anything is built or run."""
+    print(f"toy: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def toy_flag_for(field: str) -> str | None:
+    """What to give instead, when --method-args names a remix.Args field the toy sets for both arms; None if the toy
+    leaves the field to the method."""
+    if TOY_FLAGS.get(field):
+        return f"give the toy's {TOY_FLAGS[field]}"
+    if field != "fork" and any(field in overrides for overrides in CONFIGS.values()):
+        return "pick a configuration with the toy's --configs"
+    if field in TOY_FLAGS or field in shared_settings(1, 1, 1.0):
+        return "the toy fixes it"
+    return None
+
+
+def is_switch(kind) -> bool:
+    """A bool field (or bool | None): --flag and --no-flag, no value."""
+    return kind is bool or (typing.get_origin(kind) in (typing.Union, types.UnionType)
+                            and set(typing.get_args(kind)) == {bool, type(None)})
+
+
+def typed(kind, text: str, flag: str):
+    """text as a value of a field of type kind: int, float, str, a Literal, X | None."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if text == "None" and type(None) in typing.get_args(kind):
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    if typing.get_origin(kind) is typing.Literal:
+        choices = typing.get_args(kind)
+        if text not in map(str, choices):
+            refuse(f"--method-args: --{flag} is one of {', '.join(map(str, choices))}, not {text!r}")
+        return next(c for c in choices if str(c) == text)
+    try:
+        if kind in (int, float, str):
+            return kind(text)
+    except ValueError:
+        refuse(f"--method-args: --{flag} takes {'an integer' if kind is int else 'a number'}, not {text!r}")
+    refuse(f"--method-args: --{flag} is a {kind}, which the toy does not read from text")
+
+
+def parse_method_args(cls, text: str, source: str = "the method") -> dict:
+    """--method-args, written as on the method's command line, read by its Args (cls) into fields of their types:
+    '--my-flag 0.3 --other --no-kl-convex' -> {'my_flag': 0.3, 'other': True, 'kl_convex': False}; a tuple field
+    takes the values up to the next flag. An unknown flag, a value that does not read, or a flag the toy sets for
+    both arms is one line naming the flag (refuse)."""
+    import difflib
+    import shlex
+
+    try:
+        tokens = shlex.split(text)
+    except ValueError as error:
+        refuse(f"--method-args={text!r} does not split into flags ({error})")
+    fields, hints, parsed = [f.name for f in dataclasses.fields(cls)], typing.get_type_hints(cls), {}
+    while tokens:
+        token = tokens.pop(0)
+        if not token.startswith("--") or token == "--":
+            refuse(f"--method-args: {token!r} is not a flag; write the method's flags as on its command line: "
+                   f"--method-args=\"--my-flag 0.3 --other\"")
+        flag, given, value = token[2:].partition("=")
+        field = flag.replace("-", "_")
+        negated = field not in fields and field.startswith("no_") and field[3:] in fields and is_switch(hints[field[3:]])
+        field = field[3:] if negated else field
+        if field not in fields:
+            close = difflib.get_close_matches(flag, [f.replace("_", "-") for f in fields], 1)
+            toys = field in {f.name for f in dataclasses.fields(ToyArgs)}
+            refuse(f"--method-args: {source} has no flag --{flag}" + (f" (did you mean --{close[0]}?)" if close else
+                   f" (--{flag} is the toy's own: give it outside --method-args)" if toys else ""))
+        if toy_flag_for(field):
+            refuse(f"--method-args: --{flag} is set by the toy for both arms: {toy_flag_for(field)}")
+        if field in parsed:
+            refuse(f"--method-args: --{flag} is given twice")
+        kind = hints[field]
+        if is_switch(kind):
+            if given:
+                refuse(f"--method-args: --{flag} takes no value (--{field.replace('_', '-')} or "
+                       f"--no-{field.replace('_', '-')})")
+            parsed[field] = not negated
+            continue
+        many = typing.get_origin(kind) is tuple
+        values = [value] if given else []
+        while not given and tokens and not tokens[0].startswith("--") and (many or not values):
+            values.append(tokens.pop(0))
+        if not values:
+            refuse(f"--method-args: --{flag} needs a value")
+        parsed[field] = tuple(typed(typing.get_args(kind)[0], v, flag) for v in values) if many else \
+            typed(kind, values[0], flag)
+    return parsed
+
+
+def import_failure(error: BaseException, copy: Path, source: str) -> str:
+    """One line for what importing the method raised: the method's file and line, and the exception."""
+    if isinstance(error, SyntaxError) and error.filename and Path(error.filename) == copy:
+        return f"{source} line {error.lineno}: {type(error).__name__}: {error.msg}"
+    lines = [line for frame, line in traceback.walk_tb(error.__traceback__) if Path(frame.f_code.co_filename) == copy]
+    where = f"{source} line {lines[-1]}" if lines else source
+    message = (str(error).strip().splitlines() or [""])[0]
+    return f"{where}: {type(error).__name__}{': ' + message if message else ''} (raised while importing it)"
+
+
+def check_method(cli: ToyArgs):
+    """The early check's child process, TOY_PROJECT a folder that holds the method as remix.py: the method imported as
+    the jobs will import it, what the toy calls found in it, --method-args read by its Args and checked at each
+    configuration with the method's own checks; prints the flags as JSON, or one line (exit 2)."""
+    import contextlib
+    import io
+
+    copy, source = Path(os.environ["TOY_PROJECT"]) / "remix.py", cli.method
+    try:
+        import remix
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # a SystemExit at import, too
+        refuse(import_failure(error, copy, source))
+    from machinery import flags, run as session
+
+    lacking = [name for name in ("Args", "train", "build_prompt", "METHOD") if not hasattr(remix, name)]
+    if lacking or not dataclasses.is_dataclass(remix.Args) or not isinstance(remix.METHOD, session.Method):
+        refuse(f"{source} is not a fork of remix.py: " + (f"it has no {', '.join(lacking)}" if lacking else
+               "its Args is not a dataclass or its METHOD not a run.Method") +
+               " (the toy calls its Args, train, build_prompt and METHOD)")
+    method_flags = parse_method_args(remix.Args, cli.method_args, source)
+    for config in cli.configs:
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+                args = run_args(config, 1, cli.lr, cli.steps, cli.reincarnate_step, "toy", Path("out"), method_flags)
+                flags.check_args(remix.METHOD.finalize(args))
+        except SystemExit:
+            line = (said.getvalue().strip().splitlines() or ["?"])[-1].split("error: ", 1)[-1]
+            refuse(f"--method-args={cli.method_args!r} at {config}: {line.replace(str(copy), source)}")
+        except Exception as error:
+            refuse(f"--method-args={cli.method_args!r} at {config}: {type(error).__name__}: {error}")
+    print(json.dumps({"flags": method_flags}))
+
+
+def check_arm(arm: Arm, cli: ToyArgs) -> dict:
+    """The method checked first, before the base model is built or a job starts: a child process imports it as the
+    jobs will (as remix.py in a folder of its own) and reads its flags (check_method). A syntax error, an exception at
+    import, a file that is not a fork of remix.py or a bad --method-args is one line naming the file and the line, and
+    exit 2. Returns the method's flags as its Args read them."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "remix.py").write_bytes(arm.code)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOY_PROJECT=folder)
+        command = [sys.executable, str(HERE / "toy.py"), "--check-method", "--method", arm.source,
+                   f"--method-args={arm.method_args}", "--lr", repr(cli.lr), "--steps", str(cli.steps),
+                   "--reincarnate-step", str(cli.reincarnate_step), "--configs", *arm.configs]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=CHECK_SECONDS)
+        except subprocess.TimeoutExpired:
+            refuse(f"{arm.source} did not import in {CHECK_SECONDS} s")
+    said = done.stderr.strip().splitlines() or [""]
+    if done.returncode == 2 and said[-1].startswith("toy: error: "):
+        refuse(said[-1][len("toy: error: "):])
+    if done.returncode != 0:
+        refuse(f"checking {arm.source} ended with exit code {done.returncode}: {said[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["flags"]
+
+
+@functools.cache
+def machinery_digest() -> bytes:
+    """sha256 of the machinery's source, which every arm runs on."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "machinery").rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.digest()
+
+
+def name_arm(arm: Arm, stem: str, toy: str, in_place: bool = False) -> Arm:
+    """The arm's label: its stem and a digest of what makes its runs what they are, beyond the settings and the seed
+    that a run's folder names: its code, its flags as read, the machinery and the base model. A run under --out is
+    read back only under the same label, so remix.py's runs serve every method compared with it, and an edited file or
+    other flags train anew. Its project folder, under the cache (in_place: the repository's remix.py, none)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for part in (arm.code, json.dumps(arm.flags, sort_keys=True).encode(), machinery_digest(),
+                 (Path(toy) / "meta.json").read_bytes()):
+        digest.update(hashlib.sha256(part).digest())
+    arm.label = f"{stem}-{digest.hexdigest()[:8]}"
+    arm.project = None if in_place else project(arm.code, Path(toy) / "methods" / arm.label)
+    return arm
+
+
+def reference_arm(configs, toy: str) -> Arm:
+    """remix.py as it is, the arm every method is compared with."""
+    return name_arm(Arm("remix.py", "remix.py", (ROOT / "remix.py").read_bytes(), tuple(configs)), "remix", toy, True)
+
+
+def method_arms(cli: ToyArgs) -> list[Arm]:
+    """--method's file, or (--forks) every diff of docs/forks applied to remix.py, each at the configurations it fits;
+    each checked first (check_arm)."""
+    if cli.method:
+        configs = METHOD_CONFIGS if cli.configs == SHORT else cli.configs
+        arms = [Arm(Path(cli.method).name, cli.method, Path(cli.method).read_bytes(), tuple(configs), cli.method_args)]
+    else:
+        arms = []
+        for diff in sorted((ROOT / "docs" / "forks").glob("*.diff")):
+            algos = FORK_ALGOS.get(diff.stem, ("grpo", "ppo"))
+            configs = [c for c in (METHOD_CONFIGS if cli.configs == SHORT else cli.configs) if CONFIGS[c]["algo"] in algos]
+            if configs:
+                arms.append(Arm(diff.stem, f"{diff.stem} (remix.py with docs/forks/{diff.name})", patched_remix(diff),
+                                tuple(configs), FORK_ARGS.get(diff.stem, "")))
+    with concurrent.futures.ThreadPoolExecutor(cli.workers) as pool:
+        for arm, method_flags in zip(arms, pool.map(lambda arm: check_arm(arm, cli), arms)):
+            arm.flags = method_flags
+    return arms
+
+
+def probe(arms: list[Arm], reference: Arm, cli: ToyArgs, toy: str) -> dict:
+    """Each arm and remix.py over the first PROBE_STEPS steps of the arm's first configuration at seed 1: label -> True
+    where the policy's weights after them are remix.py's, bit for bit."""
+    steps = min(PROBE_STEPS, cli.steps)
+    job = lambda config, arm: job_name(f"{config}+{arm.label}", 1, cli.lr, steps, cli.reincarnate_step)  # noqa: E731
+    jobs = [job(arm.configs[0], side) for arm in arms for side in (reference, arm)]
+    by_label = {arm.label: arm for arm in arms + [reference]}
+    weights = {r["config"]: r["weights_sha256"] for r in run_jobs(jobs, cli, toy, by_label, probe=True)}
+    return {arm.label: weights[f"{arm.configs[0]}+{arm.label}"] == weights[f"{arm.configs[0]}+{reference.label}"]
+            for arm in arms}
+
+
+def probe_line(arm: Arm, same: bool, steps: int, seconds: float) -> str:
+    """The probe's one line: identical first steps are a warning, and say why they may be."""
+    where = f"the first {steps} steps of {arm.configs[0]} at seed 1"
+    if not same:
+        return f"toy: {arm.name} and remix.py differ after {where} (the policy's weights; probed in {seconds:.0f} s)"
+    return (f"toy: warning: {arm.name} computed what remix.py computes in {where} (the policy's weights are the same, "
+            f"bit for bit): a flag of its own that is off by default (give it with --method-args=\"--flag ...\"), or "
+            f"a change that acts later (a schedule, a deque that fills, T); the runs go on (probed in {seconds:.0f} s)")
+
+
+def same_run(a: dict, b: dict) -> bool:
+    """Two runs that computed the same: every evaluation (all but its seconds) and the final weights equal."""
+    points = lambda r: [{k: v for k, v in p.items() if k != "seconds"} for p in r["curve"]]  # noqa: E731
+    return points(a) == points(b) and a.get("weights_sha256") == b.get("weights_sha256")
+
+
+def verdict(mine: list[dict], theirs: list[dict]) -> dict:
+    """A method's runs against remix.py's at one configuration, paired by seed: the mean over seeds of (method -
+    remix.py) final held-out Pass@1 with a percentile bootstrap 90% interval over seeds, the ratio of final rollouts,
+    the seeds, and a word: better (the interval above 0), worse (below 0), not resolved (it holds 0), or identical runs
+    (same_run at every seed: nothing to compare)."""
+    by_seed = {r["seed"]: r for r in theirs}
+    pairs = [(r, by_seed[r["seed"]]) for r in sorted(mine, key=lambda r: r["seed"]) if r["seed"] in by_seed]
+    differences = [a["curve"][-1]["accuracy"] - b["curve"][-1]["accuracy"] for a, b in pairs]
+    lo, hi = bootstrap_interval(differences, stat=statistics.fmean)
+    rollouts = median([a["curve"][-1]["rollouts"] for a, _ in pairs]) / median([b["curve"][-1]["rollouts"]
+                                                                                for _, b in pairs])
+    word = "identical runs" if all(same_run(a, b) for a, b in pairs) else \
+        "better" if lo > 0 else "worse" if hi < 0 else "not resolved"
+    return {"seeds": len(pairs), "difference": statistics.fmean(differences), "lo": lo, "hi": hi,
+            "each": differences, "rollouts_ratio": rollouts, "word": word}
+
+
+def verdict_words(v: dict) -> str:
+    """A verdict in words: '+0.012 [-0.004, +0.027] over 3 seeds, rollouts 1.00x: not resolved (...)'."""
+    if v["word"] == "identical runs":
+        return f"identical runs at all {v['seeds']} seeds (every evaluation and the final weights the same)"
+    text = (f"{v['difference']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}] over {v['seeds']} seeds, rollouts "
+            f"{v['rollouts_ratio']:.2f}x: {v['word']}")
+    return text + (" (the 90% interval holds 0; more seeds narrow it)" if v["word"] == "not resolved" else "")
+
+
+def arm_runs(results: list[dict], config: str, arm: Arm) -> list[dict]:
+    return [r for r in results if r["config"] == f"{config}+{arm.label}"]
+
+
+def method_comparison(results: list[dict], arm: Arm, reference: Arm) -> dict:
+    """For each configuration of the arm, its runs against remix.py's at the same seeds: the verdict, the final
+    accuracies, and the rollouts (and tokens) each needs to reach remix.py's median final accuracy (compare(), with
+    remix.py in the place of the baseline)."""
     table = {}
-    for config in configs:
-        mine = [r for r in results if r["config"] == f"{config}+{label}"]
-        theirs = [r for r in results if r["config"] == config]
-        table[config] = compare(mine, theirs)
+    for config in arm.configs:
+        mine, theirs = arm_runs(results, config, arm), arm_runs(results, config, reference)
+        table[config] = {"verdict": verdict(mine, theirs), **compare(mine, theirs)}
     return table
 
 
-def method_markdown(table: dict, label: str) -> str:
-    lines = [f"Method {label} against remix.py, same configurations and seeds (medians over seeds, bootstrap 90% "
-             f"intervals; never = a seed that does not reach the target)", "",
-             "| configuration | final accuracy, remix.py | final accuracy, method | target: remix.py's final | "
-             "rollouts to it, remix.py | rollouts to it, method |", "|---|---|---|---|---|---|"]
+VERDICT_TEXT = ("the difference is the mean over seeds of the method's final held-out Pass@1 minus remix.py's at the "
+                "same seed, with a percentile bootstrap 90% interval over seeds: better or worse where the interval "
+                "lies above or below 0, not resolved where it holds 0 (with 3 to 5 seeds the interval is wide; more "
+                "seeds, --seeds, narrow it); identical runs: at every seed, every evaluation and the final weights "
+                "are remix.py's, so there is nothing to compare")
+
+
+def method_markdown(table: dict, arm: Arm, same_start: bool, steps: int) -> str:
+    flags = f" with --method-args=\"{arm.method_args}\"" if arm.method_args else ""
+    lines = [f"Method {arm.name}{flags} against remix.py, same configurations and seeds; {VERDICT_TEXT}.", "",
+             "| configuration | seeds | final Pass@1, remix.py | final Pass@1, method | difference, method - remix.py "
+             "[90% interval] | rollouts, method / remix.py | verdict |", "|" + "---|" * 7]
     for config, c in table.items():
-        lines.append(f"| {config} | {fmt(c['on_policy_final_accuracy'])} | {fmt(c['remix_final_accuracy'])} | "
-                     f"{c['target_final']:.3f} | {fmt(c['on_policy_rollouts_to_final'], 0)} | "
+        v = c["verdict"]
+        lines.append(f"| {config} | {v['seeds']} | {fmt(c['on_policy_final_accuracy'])} | "
+                     f"{fmt(c['remix_final_accuracy'])} | {v['difference']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}] | "
+                     f"{v['rollouts_ratio']:.2f} | **{v['word']}** |")
+    first = next(iter(table))
+    lines += ["", f"The probe: after the first {steps} steps of {first} at seed 1 the policy's weights "
+              + ("were remix.py's, bit for bit." if same_start else "differed from remix.py's."), "",
+              "Rollouts to remix.py's median final Pass@1 (medians over seeds, bootstrap 90% intervals; never = a seed "
+              "that does not reach it):", "",
+              "| configuration | target: remix.py's final | rollouts to it, remix.py | rollouts to it, method |",
+              "|---|---|---|---|"]
+    for config, c in table.items():
+        lines.append(f"| {config} | {c['target_final']:.3f} | {fmt(c['on_policy_rollouts_to_final'], 0)} | "
                      f"{fmt(c['remix_rollouts_to_final'], 0)} |")
     return "\n".join(lines) + "\n"
 
 
-def method_plot(results: list[dict], configs: list[str], label: str, path: Path):
+def method_plot(results: list[dict], arm: Arm, reference: Arm, path: Path):
     """Held-out accuracy against rollouts: each seed's curve, remix.py's and the method's, one panel a configuration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4.5), squeeze=False)
-    for ax, config in zip(axes[0], configs):
-        for name, color, shown in ((config, "tab:blue", "remix.py"), (f"{config}+{label}", "tab:red", label)):
-            for i, r in enumerate(r for r in results if r["config"] == name):
+    fig, axes = plt.subplots(1, len(arm.configs), figsize=(6 * len(arm.configs), 4.5), squeeze=False)
+    for ax, config in zip(axes[0], arm.configs):
+        for side, color in ((reference, "tab:blue"), (arm, "tab:red")):
+            for i, r in enumerate(arm_runs(results, config, side)):
                 ax.plot([p["rollouts"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], color=color,
-                        alpha=0.7, marker=".", label=shown if i == 0 else None)
+                        alpha=0.7, marker=".", label=side.name if i == 0 else None)
         ax.set_title(config)
-    finish(fig, axes[0], ["held-out Pass@1"] * len(configs), "rollouts", path)
+    finish(fig, axes[0], ["held-out Pass@1"] * len(arm.configs), "rollouts", path)
 
 
-def compare_method(cli: ToyArgs, toy: str) -> str:
-    """--method: the configurations with remix.py and with the method file, at the same seeds and settings; writes
-    method.json, method.md and method.png into --out and returns the table."""
-    method = Path(cli.method).resolve()
-    label = method_label(method)
-    configs = list(METHOD_CONFIGS if cli.configs == SHORT else cli.configs)
+def arm_jobs(arms: list[Arm], reference: Arm, cli: ToyArgs) -> list[str]:
+    """Every arm's runs and remix.py's, once, at each configuration an arm runs, at the same seeds."""
     seeds = range(1, (cli.seeds or 3) + 1)
-    jobs = [job_name(name, s, cli.lr, cli.steps, cli.reincarnate_step) for name in
-            configs + [f"{c}+{label}" for c in configs] for s in seeds]
-    results = run_jobs(jobs, cli, toy)
-    table = method_comparison(results, configs, label)
+    configs = list(dict.fromkeys(c for arm in arms for c in arm.configs))
+    return [job_name(f"{c}+{reference.label}", s, cli.lr, cli.steps, cli.reincarnate_step) for c in configs
+            for s in seeds] + [job_name(f"{c}+{arm.label}", s, cli.lr, cli.steps, cli.reincarnate_step)
+                               for arm in arms for c in arm.configs for s in seeds]
+
+
+def compare_method(cli: ToyArgs, toy: str, arm: Arm) -> tuple[str, str]:
+    """--method: the probe, then the configurations with remix.py and with the method, at the same seeds and settings;
+    writes method.json, method.md and method.png into --out. Returns the table and the verdict's line."""
+    reference = reference_arm(arm.configs, toy)
+    name_arm(arm, Path(cli.method).stem, toy)
+    steps, started = min(PROBE_STEPS, cli.steps), time.perf_counter()
+    same_start = probe([arm], reference, cli, toy)[arm.label]
+    print(probe_line(arm, same_start, steps, time.perf_counter() - started), flush=True)
+    results = run_jobs(arm_jobs([arm], reference, cli), cli, toy, {a.label: a for a in (reference, arm)})
+    table = method_comparison(results, arm, reference)
     out = Path(cli.out)
-    record = {"method": str(method), "label": label, "settings": dataclasses.asdict(cli), "comparison": table,
-              "runs": results}
+    record = {"method": str(Path(cli.method).resolve()), "method_args": arm.method_args, "flags": arm.flags,
+              "label": arm.label, "remix_label": reference.label, "settings": dataclasses.asdict(cli),
+              "machine": machine(cli.workers), "probe": {"steps": steps, "same_weights": same_start},
+              "comparison": table, "runs": results}
     (out / "method.json").write_text(json.dumps(never_as_null(record), indent=1, allow_nan=False))
-    text = method_markdown(table, label)
+    text = method_markdown(table, arm, same_start, steps)
     (out / "method.md").write_text(text)
-    method_plot(results, configs, label, out / "method.png")
-    return text
+    method_plot(results, arm, reference, out / "method.png")
+    line = f"toy: {arm.name} against remix.py: " + "; ".join(f"{config}: {verdict_words(c['verdict'])}"
+                                                            for config, c in table.items())
+    return text, line
+
+
+def forks_markdown(record: dict) -> str:
+    """docs/toy/forks.md: a row per fork of docs/forks and configuration, from forks.json."""
+    s, m, default = record["settings"], record["machine"], ToyArgs()
+    command = f"python toy/toy.py --forks --seeds {s['seeds']}" + "".join(
+        f" --{k.replace('_', '-')} {s[k]:g}" for k in ("lr", "steps", "reincarnate_step") if s[k] != getattr(default, k))
+    grid = "at the last step" if s["eval_every"] >= s["steps"] else f"every {s['eval_every']} steps"
+    minutes = round(record["seconds"] / 60)
+    lines = ["# Every fork of docs/forks on the toy", "",
+             f"Made by one command, `{command} --out OUT` (OUT/forks.md and OUT/forks.json), in {minutes // 60} h "
+             f"{minutes % 60:02d} min on {m['cpu']} ({m['cpus']} cores, {m['workers']} runs at a time on one thread "
+             f"each, torch {m['torch']}, {m['cpu_capability']} kernels). Each fork runs beside remix.py at the "
+             f"configurations it fits (ReMix-GRPO, and ReMix-PPO unless it changes GRPO's groups), at lr "
+             f"{s['lr']:g}, {s['steps']} steps, T = {s['reincarnate_step']}, held-out Pass@1 of 1,000 problems {grid}, "
+             f"seeds 1 to {s['seeds']}, from one base model; remix.py's runs are made once and serve every fork. "
+             f"{VERDICT_TEXT[0].upper()}{VERDICT_TEXT[1:]}. The probe (first steps): the first "
+             f"{record['probe_steps']} steps of the fork's first configuration at seed 1, the policy's weights compared "
+             f"bit for bit with remix.py's (identical first steps are said, and the runs go on).", "",
+             "| fork | what it changes | configuration | flags | difference in final Pass@1, fork - remix.py "
+             "[90% interval] | rollouts, fork / remix.py | seeds | verdict | first steps |", "|" + "---|" * 9]
+    for name, fork in record["forks"].items():
+        for config, v in fork["verdicts"].items():
+            difference = "" if v["word"] == "identical runs" else \
+                f"{v['difference']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}]"
+            lines.append(f"| `{name}` | {fork['changes']} | {config} | {fork['method_args'] or 'none'} | {difference} "
+                         f"| {v['rollouts_ratio']:.2f} | {v['seeds']} | **{v['word']}** | "
+                         f"{'same' if fork['same_start'] else 'differ'} |")
+    remix = ", ".join(f"{config} {fmt(entry)}" for config, entry in record["remix_final_accuracy"].items())
+    lines += ["", f"remix.py's final Pass@1 (median over seeds, bootstrap 90% interval): {remix}."]
+    unresolved = [(name, fork) for name, fork in record["forks"].items()
+                  if any(v["word"] in ("not resolved", "identical runs") for v in fork["verdicts"].values())]
+    if unresolved:
+        lines += ["", "## Why the toy does not resolve these", ""]
+        lines += [f"- `{name}`: {FORK_WHY.get(name) or 'no reason recorded yet'}" for name, _ in unresolved]
+    return "\n".join(lines) + "\n"
+
+
+def compare_forks(cli: ToyArgs, toy: str, arms: list[Arm], start: float) -> str:
+    """--forks: every fork of docs/forks against remix.py (its runs made once, shared by all), after the probe;
+    writes forks.json and forks.md into --out. Returns the page."""
+    configs = list(dict.fromkeys(c for arm in arms for c in arm.configs))
+    reference = reference_arm(configs, toy)
+    for arm in arms:
+        name_arm(arm, arm.name, toy)
+    steps, started = min(PROBE_STEPS, cli.steps), time.perf_counter()
+    same_start = probe(arms, reference, cli, toy)
+    for arm in arms:
+        print(probe_line(arm, same_start[arm.label], steps, time.perf_counter() - started), flush=True)
+    results = run_jobs(arm_jobs(arms, reference, cli), cli, toy, {a.label: a for a in arms + [reference]})
+    forks = {arm.name: {"changes": FORK_CHANGES.get(arm.name, "see the diff"), "method_args": arm.method_args,
+                        "flags": arm.flags, "label": arm.label, "same_start": same_start[arm.label],
+                        "verdicts": {c: verdict(arm_runs(results, c, arm), arm_runs(results, c, reference))
+                                     for c in arm.configs}} for arm in arms}
+    kept = ("step", "reward", "length", "clipfrac", "historical_zero_spread")  # of each step's statistics
+    record = {"settings": {**dataclasses.asdict(cli), "seeds": cli.seeds or 3}, "machine": machine(cli.workers),
+              "seconds": time.perf_counter() - start, "probe_steps": steps, "remix_label": reference.label,
+              "remix_final_accuracy": {c: spread(final_accuracies(arm_runs(results, c, reference))) for c in configs},
+              "forks": forks, "runs": [{**r, "per_step": [{k: x.get(k) for k in kept} for x in r["per_step"]]}
+                                       for r in results]}
+    out = Path(cli.out)
+    (out / "forks.json").write_text(json.dumps(never_as_null(record), indent=1, allow_nan=False))
+    page = forks_markdown(record)
+    (out / "forks.md").write_text(page)
+    return page
 
 
 # ----------------------------------------------------------------------------------------------
@@ -901,15 +1382,45 @@ def pinned_curve(cache: Path) -> dict:
 
 
 def settled(cli: ToyArgs) -> ToyArgs:
-    """The settings with their defaults filled in: held-out evaluation every 3 steps, every 6 with --method."""
+    """The settings with their defaults filled in: held-out evaluation every 3 steps, every 6 with --method, at the last
+    step only with --forks (its verdicts read the final Pass@1)."""
     if cli.eval_every is not None and cli.eval_every < 1:  # a grid past a run's steps evaluates at its end only
-        print(f"toy: error: --eval-every {cli.eval_every} is out of range; give 1 or more", file=sys.stderr)
-        raise SystemExit(2)
-    return dataclasses.replace(cli, eval_every=cli.eval_every or (6 if cli.method else 3))
+        refuse(f"--eval-every {cli.eval_every} is out of range; give 1 or more")
+    return dataclasses.replace(cli, eval_every=cli.eval_every or (6 if cli.method else cli.steps if cli.forks else 3))
+
+
+def check_request(cli: ToyArgs):
+    """The toy's own flags together, each problem one line (exit 2)."""
+    unknown = [c for c in cli.configs if c not in CONFIGS]
+    if unknown:
+        refuse(f"unknown configuration {unknown}; valid: {list(CONFIGS)}")
+    if cli.method and cli.forks:
+        refuse("--method and --forks: give one (--forks runs the forks of docs/forks, --method your file)")
+    if cli.method_args and not cli.method:
+        refuse("--method-args gives the flags of the --method file: give --method too")
+    if cli.method and not (cli.method.endswith(".py") and Path(cli.method).is_file()):
+        refuse(f"--method {cli.method!r} is not a Python file; give a fork of remix.py (remix_mine.py)")
+
+
+def replot(cli: ToyArgs, out: Path):
+    """The tables and plots again from the records in --out, with the settings they were run with (--forks: forks.md
+    from forks.json)."""
+    if cli.forks:
+        (out / "forks.md").write_text(forks_markdown(json.loads((out / "forks.json").read_text())))
+        print(f"toy: {out / 'forks.md'} rebuilt")
+        return
+    saved = json.loads((out / "results.json").read_text())
+    fields = {f.name for f in dataclasses.fields(ToyArgs)}
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["settings"].items() if k in fields}
+    write_outputs(saved["runs"], dataclasses.replace(cli, **{**settings, "out": cli.out, "replot": True}), out, saved)
+    print(f"toy: tables and plots rebuilt in {out}")
 
 
 def main(cli: ToyArgs):
     cli = settled(cli)
+    if cli.check_method:
+        check_method(cli)
+        return
     if cli.pin:
         curve = pinned_curve(Path(cli.cache) / "pin-portable-fused")
         Path(cli.pin).parent.mkdir(parents=True, exist_ok=True)
@@ -918,28 +1429,17 @@ def main(cli: ToyArgs):
         return
     if cli.jobs:
         for job in cli.jobs:
-            run(job, cli.cache, cli.out, cli.eval_every)
+            run(job, cli.cache, cli.out, cli.eval_every, cli.method_args, cli.probe)
         return
-    unknown = [c for c in cli.configs if c not in CONFIGS]
-    if unknown:
-        print(f"toy: error: unknown configuration {unknown}; valid: {list(CONFIGS)}", file=sys.stderr)
-        raise SystemExit(2)
-    if cli.method and not (cli.method.endswith(".py") and Path(cli.method).is_file()):
-        print(f"toy: error: --method {cli.method!r} is not a Python file; give a fork of remix.py (remix_mine.py)",
-              file=sys.stderr)
-        raise SystemExit(2)
+    check_request(cli)
     os.environ["HF_HUB_OFFLINE"] = "1"
     out = Path(cli.out)
-    if cli.replot:  # the tables and plots from the committed records, with the settings they were run with
-        saved = json.loads((out / "results.json").read_text())
-        fields = {f.name for f in dataclasses.fields(ToyArgs)}
-        settings = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["settings"].items() if k in fields}
-        write_outputs(saved["runs"], dataclasses.replace(cli, **{**settings, "out": cli.out, "replot": True}), out,
-                      saved.get("cpu_capability"))
-        print(f"toy: tables and plots rebuilt in {out}")
+    if cli.replot:
+        replot(cli, out)
         return
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    arms = method_arms(cli) if cli.method or cli.forks else []  # checked first: a broken file is one line, now
+    out.mkdir(parents=True, exist_ok=True)
     toy = str(build_toy(Path(cli.cache)))
     import torch
 
@@ -947,8 +1447,14 @@ def main(cli: ToyArgs):
           f"{torch.backends.cpu.get_cpu_capability()}", flush=True)
     seeds = range(1, (cli.seeds or (5 if cli.study else 3)) + 1)
     if cli.method:
-        print(compare_method(cli, toy))
+        text, verdict_line = compare_method(cli, toy, arms[0])
+        print(text)
         print(f"toy: done in {time.perf_counter() - start:.0f} s; both curves in {out / 'method.png'}")
+        print(verdict_line)
+        return
+    if cli.forks:
+        print(compare_forks(cli, toy, arms, start))
+        print(f"toy: done in {time.perf_counter() - start:.0f} s; the table in {out / 'forks.md'}")
         return
     if cli.study:
         four = ("remix-grpo", "grpo", "remix-ppo", "ppo")
@@ -978,7 +1484,18 @@ def main(cli: ToyArgs):
     print(f"toy: done in {time.perf_counter() - start:.0f} s; results in {out}")
 
 
+def joined_method_args(argv: list[str]) -> list[str]:
+    """argv with '--method-args X' as '--method-args=X': the parser would take a value that starts with '--' for a
+    flag of its own."""
+    joined = list(argv)
+    for i, token in enumerate(joined[:-1]):
+        if token == "--method-args":
+            joined[i : i + 2] = [f"--method-args={joined[i + 1]}"]
+            break
+    return joined
+
+
 if __name__ == "__main__":
     from machinery import run
 
-    main(run.cli(ToyArgs, "toy"))
+    main(run.cli(ToyArgs, "toy", joined_method_args(sys.argv[1:])))
