@@ -1496,6 +1496,6 @@ def joined_method_args(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from machinery import run
+    from machinery import run as program  # not "run": the toy's own run() is a global of this module
 
-    main(run.cli(ToyArgs, "toy", joined_method_args(sys.argv[1:])))
+    main(program.cli(ToyArgs, "toy", joined_method_args(sys.argv[1:])))
