@@ -174,6 +174,10 @@ def check(args: EvalArgs):
                    **({"--benchmarks": " ".join(args.benchmarks)} if args.hub else {})}, PROG)
     if dist.world() % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the {dist.world()} processes")
+    if args.sampler == "vllm" and dist.device().type == "cpu":
+        from machinery import engines
+
+        engines.cpu_kv_cache_gib(PROG)  # the CPU engine reads it at its start, after --out is written
     mine, theirs = load_method(args.method).METHOD.record(), trained_by(args.model)
     if theirs is not None and (theirs["file"], theirs.get("sha256")) != (mine["file"], mine["sha256"]):
         messages.say(f"{args.model} was trained by {theirs['file']} (sha256 {str(theirs.get('sha256'))[:12]}) and is "
@@ -397,7 +401,7 @@ def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, st
 def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
     signals.catch_interrupts()
-    dist.init()
+    dist.init(prog=PROG)
     if args.curves:
         from machinery import curves
 
