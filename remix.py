@@ -605,7 +605,7 @@ def train(args: Args, on_step=None) -> dict:
     session = run.Session(args, METHOD)  # every check, then --out locked; a resumed run's state
     args, tokenizer = session.args, session.tokenizer
     policy, reference, critic = models.load(args, session.checkpoint)  # pi_theta, pi_ref, V
-    optimizers = [torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=args.weight_decay)
+    optimizers = [models.optimizer(net, lr, args.weight_decay)  # AdamW
                   for net, lr in ((policy, args.actor_lr), (critic, args.critic_lr)) if net is not None]
     llm = engines.start(args, session.max_model_len) if args.sampler == "vllm" else None  # vLLM, in this process
     replay = collections.deque(maxlen=args.window)  # the last N policies' fresh batches

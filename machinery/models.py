@@ -65,6 +65,15 @@ def load(args, checkpoint: str | None = None):
     return policy, reference, critic
 
 
+def optimizer(model, lr: float, weight_decay: float):
+    """AdamW over a model's parameters, stepped by torch's multi-tensor (foreach) implementation on every device.
+    torch chooses it by itself only where every parameter is on a GPU: with --offload the shards are host tensors,
+    and it would step them one tensor at a time, a Python loop over hundreds of tensors. The arithmetic is the
+    per-tensor step's (tests/test_plan.py compares them exactly); the cost is one fp32 intermediate the size of the
+    model's shards during the step, which the plan counts."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True)
+
+
 def savable_generation_config(model, quiet: bool = False):
     """The model, with a generation config its checkpoints can save. Many hub models set temperature or top_p in
     generation_config.json without do_sample: transformers loads that with a warning but refuses to save it, so

@@ -240,10 +240,12 @@ def test_the_plan_bounds_the_measured_host_memory_of_a_100m_update(tmp_path):
 # ----------------------------------------------------------------------------------------------
 def test_an_offloaded_model_steps_exactly_as_one_without_offload(tiny_model):
     """dist.shard with offload: every shard FSDP2 holds is marked for the host, and a forward, backward, clip and
-    AdamW step give the weights (gathered by dist.full_tensors, as the push does) of the same model without it."""
+    AdamW step give the weights (gathered by dist.full_tensors, as the push does) of the same model without it. The
+    offloaded model steps with the run's optimizer (models.optimizer: torch's foreach AdamW), the other with torch's
+    per-tensor AdamW: the same arithmetic, bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    from machinery import dist
+    from machinery import dist, models
 
     device = dist.init()
     weights = []
@@ -252,7 +254,9 @@ def test_an_offloaded_model_steps_exactly_as_one_without_offload(tiny_model):
         groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
                   for g in dist._param_groups(m._get_fsdp_state())]
         assert groups and all(p.offload_to_cpu == offload for g in groups for p in g.fsdp_params)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optim = models.optimizer(model, 1e-2, 0.01) if offload else \
+            torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+        assert optim.defaults["foreach"] is offload
         ids = torch.arange(3, 40).view(1, -1)
         for _ in range(2):
             model(input_ids=ids, labels=ids).loss.backward()
