@@ -206,6 +206,12 @@ def warnings_from(name: str):
         logger.propagate = propagate
 
 
+def hf_batch(args) -> int:
+    """Prompts per transformers generate call: --hf-batch-prompts, else --mini-batch-prompts (a method file from
+    before the flag has only the latter)."""
+    return getattr(args, "hf_batch_prompts", None) or args.mini_batch_prompts
+
+
 @torch.no_grad()
 def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                 max_tokens: int, batch_size: int, seeds: list[int] | None = None, on_batch=None):

@@ -55,7 +55,7 @@ REMIX_RANGES = {
     "vllm_tp": "in [1, 1024]", "grader_workers": "in [1, 1024]", "grade_timeout": "in (0, 1e6]",
     "seed": "in [0, 2147483647]", "dist_timeout": "in (0, 1e6]", "save_every": "in [0, 1000000]",
     "keep_last": "in [0, 1000000]", "eval_every": "in [0, 1000000]", "eval_limit": "in [1, 1000000]",
-    "eval_max_tokens": "in [1, 1048576]", "log_completions": "in [0, 1048576]"}
+    "eval_max_tokens": "in [1, 1048576]", "log_completions": "in [0, 1048576]", "hf_batch_prompts": "in [1, 65536]"}
 EVAL_RANGES = {"n": "in [1, 1024]", "temperature": "in [0, 100]", "top_p": "in (0, 1]", "max_tokens": "in [1, 1048576]",
                "vllm_tp": "in [1, 1024]", "vllm_gpu_memory_utilization": "in (0, 1)", "limit": "in [1, 1000000]",
                "workers": "in [1, 1024]", "grade_timeout": "in (0, 1e6]", "seed": "in [0, 2147483647]",
