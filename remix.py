@@ -607,7 +607,7 @@ def train(args: Args, on_step=None) -> dict:
     session = run.Session(args, METHOD)  # every check, then --out locked; a resumed run's state
     args, tokenizer = session.args, session.tokenizer
     policy, reference, critic = models.load(args, session.checkpoint)  # pi_theta, pi_ref, V
-    optimizers = [models.optimizer(net, lr, args.weight_decay)  # AdamW
+    optimizers = [models.optimizer(net, lr, args.weight_decay, args.offload)  # AdamW
                   for net, lr in ((policy, args.actor_lr), (critic, args.critic_lr)) if net is not None]
     llm = engines.start(args, session.max_model_len) if args.sampler == "vllm" else None  # vLLM, in this process
     replay = collections.deque(maxlen=args.window)  # the last N policies' fresh batches

@@ -50,7 +50,7 @@ def measure(shape: str, steps: int) -> dict:
     tensors = len(list(base.parameters()))
     nets = {"foreach": dist.shard(copy.deepcopy(base), device, torch.float32, offload=True),
             "per tensor": dist.shard(base, device, torch.float32, offload=True)}
-    optimizers = {"foreach": models.optimizer(nets["foreach"], 1e-4, 0.01),
+    optimizers = {"foreach": models.optimizer(nets["foreach"], 1e-4, 0.01, offload=True),
                   "per tensor": torch.optim.AdamW(nets["per tensor"].parameters(), lr=1e-4, weight_decay=0.01,
                                                   foreach=False)}
     seconds = {name: [] for name in nets}

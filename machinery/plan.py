@@ -199,7 +199,8 @@ def memory(shape: Shape, args, world: int, offload: bool, gpu: bool, device_byte
              # their way back to the host
              "offload copies (fp32)": 8 * max(shape.root_params, shape.layer_params) / world if gpu and offload
              else 0.0,
-             # models.optimizer's foreach AdamW: one fp32 intermediate over a model's shards (sqrt of the second moment)
+             # AdamW's foreach step (torch's on a GPU, models.optimizer's with --offload): one fp32 tensor over a
+             # model's shards, the second moment's square root (a CPU's per-tensor step holds one tensor's: less)
              "optimizer step (fp32)": 4 * max(shape.params, shape.critic_params if ppo else 0) / world}
     host = {k: parts[k] for k in ("weights (fp32 masters)", "gradients (fp32)", "AdamW moments (fp32)",
                                   "optimizer step (fp32)")} if offload else {}

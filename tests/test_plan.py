@@ -408,7 +408,7 @@ def test_an_offloaded_model_steps_exactly_as_one_without_offload(tiny_model):
         groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
                   for g in dist._param_groups(m._get_fsdp_state())]
         assert groups and all(p.offload_to_cpu == offload for g in groups for p in g.fsdp_params)
-        optim = models.optimizer(model, 1e-2, 0.01) if offload else \
+        optim = models.optimizer(model, 1e-2, 0.01, offload=True) if offload else \
             torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
         assert optim.defaults["foreach"] is offload
         ids = torch.arange(3, 40).view(1, -1)
