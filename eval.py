@@ -178,6 +178,10 @@ def check(args: EvalArgs):
     flags.check_hub_weights(args.model, PROG)
     if dist.world() % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the {dist.world()} processes")
+    if args.sampler == "vllm" and dist.device().type == "cpu":
+        from machinery import engines
+
+        engines.cpu_kv_cache_gib(PROG)  # the CPU engine reads it at its start, after --out is written
     mine, theirs = load_method(args.method).METHOD.record(), trained_by(args.model)
     if theirs is not None and (theirs["file"], theirs.get("sha256")) != (mine["file"], mine["sha256"]):
         messages.say(f"{args.model} was trained by {theirs['file']} (sha256 {str(theirs.get('sha256'))[:12]}) and is "

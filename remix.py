@@ -118,6 +118,8 @@ class Args:
     """in [1, 1073741824]: padded tokens per forward/backward; similar lengths share one, a longer one runs alone"""
     sampler: Literal["vllm", "hf"] = "vllm"
     """vllm (default) or transformers' generate, for machines without vLLM"""
+    hf_batch_prompts: Annotated[int | None, flags.hint("(default: --mini-batch-prompts)")] = None
+    """in [1, 65536]: prompts per transformers generate call with --sampler hf (G responses each); fewer, less memory"""
     vllm_gpu_memory_utilization: float = 0.35
     """in (0, 1): GPU memory share vLLM may take beside the trainer (docs/memory.md has the arithmetic)"""
     vllm_sleep: bool = True
@@ -474,7 +476,7 @@ def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list
         groups = engines.vllm_generate(llm, [p.ids for p in engine], args.group_size, seeds, *sampling)[offset:]
     else:
         groups = engines.hf_generate(policy, tokenizer, [p.ids for p in mine], args.group_size, *sampling,
-                                     args.mini_batch_prompts)
+                                     engines.hf_batch(args))
     # a group id unique over the run and the ranks: the prompt's index in the step (a step has under a million)
     return [[{"prompt_ids": prompt.ids, "response_ids": response or [tokenizer.pad_token_id], "answer": prompt.answer,
               "version": step, "group": step * 1_000_000 + first + offset + i, "truncated": finish == "length",
@@ -608,7 +610,7 @@ def train(args: Args, on_step=None) -> dict:
     session = run.Session(args, METHOD)  # every check, then --out locked; a resumed run's state
     args, tokenizer = session.args, session.tokenizer
     policy, reference, critic = models.load(args, session.checkpoint)  # pi_theta, pi_ref, V
-    optimizers = [torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=args.weight_decay)
+    optimizers = [models.optimizer(net, lr, args.weight_decay, args.offload)  # AdamW
                   for net, lr in ((policy, args.actor_lr), (critic, args.critic_lr)) if net is not None]
     llm = engines.start(args, session.max_model_len) if args.sampler == "vllm" else None  # vLLM, in this process
     replay = collections.deque(maxlen=args.window)  # the last N policies' fresh batches

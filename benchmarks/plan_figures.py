@@ -8,7 +8,6 @@ Qwen2, shapes from their config.json):
 Every run's defaults (350 steps, --save-every 50, --keep-last 3, bf16, gradient checkpointing, 16,384-token
 micro-batches, --vllm-gpu-memory-utilization 0.35, the engine asleep during updates); one process per GPU."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -51,8 +50,8 @@ def main():
         for algo in ("ppo", "grpo"):
             for offload in (False, True):
                 for gpus in (1, 2, 4, 8):
-                    os.environ["LOCAL_WORLD_SIZE"] = str(gpus)
-                    rows = [plan.figures(shape, gpu_args(algo=algo), gpus, True, card * 1e9, offload) for card in CARDS]
+                    rows = [plan.figures(shape, gpu_args(algo=algo), gpus, True, card * 1e9, offload, local=gpus)
+                            for card in CARDS]
                     parts = rows[0]["memory"]["parts"]
                     states = sum(parts[k] for k in ("weights (fp32 masters)", "AdamW moments (fp32)", "reference"))
                     fits = " / ".join("yes" if r["memory"]["peak"] <= card * 1e9 else "no"
@@ -79,7 +78,8 @@ def one(argv: list[str]):
     args = remix.finalize_args(run.cli(remix.Args))
     if "--precision" not in rest:
         args.precision = "bf16"  # the figures are a GPU's
-    figures = plan.figures(plan.shape_of(known.config), args, known.gpus, True, known.gpu_gb * 1e9, args.offload)
+    figures = plan.figures(plan.shape_of(known.config), args, known.gpus, True, known.gpu_gb * 1e9, args.offload,
+                           local=known.gpus)
     print(json.dumps(figures, indent=1, default=float))
 
 

@@ -353,6 +353,19 @@ def first_fitting_prompt(problems: list[tuple[str, str]], encode, max_prompt_tok
          f"{shortest}): raise --max-prompt-tokens")
 
 
+def longest_prompt(problems: list[tuple[str, str]], encode, max_prompt_tokens: int, max_chars=None) -> int:
+    """The most tokens a prompt the stream yields can have: the longest prompt within max_prompt_tokens. Every problem
+    is encoded once (seconds for tens of thousands): the plan asks for it only where it can change its verdict."""
+    longest = 0
+    for problem, _ in problems:
+        if max_chars is None or len(problem) <= max_chars:
+            tokens = len(encode(problem))
+            longest = max(longest, tokens if tokens <= max_prompt_tokens else 0)
+            if longest == max_prompt_tokens:  # none can be longer
+                break
+    return longest
+
+
 def prompt_stream(problems: list[tuple[str, str]], encode, max_prompt_tokens: int, seed: int, position: int = 0,
                   max_chars=None):
     """Prompt(ids, answer, position) from shuffled passes over the data, forever, starting at a position

@@ -31,8 +31,9 @@ def init(timeout_minutes: float = 60.0, offload: bool = False, prog: str = "remi
     gradients' norms there (NCCL takes GPU tensors only)."""
     cuda = torch.cuda.is_available()
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    local_rank = launch_numbers(cuda, prog) if torchrun else 0
     if cuda:  # one process is GPU 0, as vLLM's own executor takes it (CUDA_VISIBLE_DEVICES picks another)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) if torchrun else 0)
+        torch.cuda.set_device(local_rank)
     if not torch_dist.is_initialized():
         backend = ("cuda:nccl,cpu:gloo" if offload else "nccl") if cuda else "gloo"
         timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -60,6 +61,27 @@ def check_torch(version: str, prog: str = "remix"):
         _warned.append(version)
         messages.say(f"warning: torch {version} is newer than {named(newest)}, the last release whose FSDP2 remix was "
                      f"checked against (machinery/dist.py reaches into it); the run goes on", prog)
+
+
+def launch_numbers(cuda: bool, prog: str = "remix") -> int:
+    """torchrun's numbers, each checked as a flag is (flags.env_number) before the process group reads them: the
+    world and this rank in it, the node's processes and this one's place among them (a GPU of this node), the
+    rendezvous port. Returns LOCAL_RANK."""
+    from machinery.flags import env_number
+
+    world_size = env_number("WORLD_SIZE", 1, "in [1, 1048576]", int, prog)
+    env_number("RANK", 0, f"in [0, {world_size - 1}]", int, prog)
+    local = env_number("LOCAL_WORLD_SIZE", world_size, f"in [1, {world_size}]", int, prog)
+    gpus = min(local, torch.cuda.device_count()) if cuda else local
+    env_number("MASTER_PORT", 29500, "in [1, 65535]", int, prog)
+    return env_number("LOCAL_RANK", 0, f"in [0, {max(gpus, 1) - 1}]", int, prog)
+
+
+def local_world(prog: str = "remix") -> int:
+    """The processes on this node: torchrun's LOCAL_WORLD_SIZE (checked, at most the world), or the world."""
+    from machinery.flags import env_number
+
+    return env_number("LOCAL_WORLD_SIZE", world(), f"in [1, {world()}]", int, prog)
 
 
 def device() -> torch.device:

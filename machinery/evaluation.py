@@ -275,13 +275,15 @@ def during_training(session, step: int) -> dict:
     """Greedy Pass@1 of the current policy on --eval-benchmarks, with the sampler training holds (vLLM with the
     weights just pushed, or transformers' generate), graded by math-verify's answer check (never the training
     reward). Writes OUT/eval/step-STEP.jsonl (eval.py's records) and returns the record's eval/* entries."""
+    from machinery import engines
+
     args, method = session.args, session.method
     problems = session.benchmarks
     prompts = [session.encode(p["problem"]) for p in problems]
     sampler = session.llm if session.llm is not None else session.models["policy"]
     max_tokens = args.eval_max_tokens or args.max_response_tokens
     generated = generate(sampler, session.tokenizer, prompts, 1, 0.0, 1.0, max_tokens, args.seed, args.vllm_tp,
-                         args.mini_batch_prompts, label=f"evaluation at step {step}")
+                         engines.hf_batch(args), label=f"evaluation at step {step}")
     record = {}
     if dist.rank() == 0:
         samples = records(problems, generated, "greedy", 0, args.seed)

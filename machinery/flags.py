@@ -75,6 +75,24 @@ def within(value, bound: str) -> bool:
     return (lo <= value if bound[3] == "[" else lo < value) and (value <= hi if bound[-1] == "]" else value < hi)
 
 
+def env_number(name: str, default, bound: str, kind: type = int, prog: str = "remix"):
+    """The environment variable `name` read as a number of `kind` (int or float; `default` where it is unset),
+    checked as a flag is: a value that is no such number (nan and inf included, an empty one too) or is outside
+    `bound` (a range as a flag's docstring writes it: 'in [1, 1048576]') stops the program in one line naming the
+    variable and its range, exit 2. Every such reading happens before anything is written."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:  # 'abc', '', and for an int also '1.5', 'nan', 'inf'
+        value = None
+    if value is None or not within(value, bound):
+        fail(f"the environment variable {name} must be {'a whole number' if kind is int else 'a number'} {bound}, "
+             f"got {text!r}: set it to one, or unset it", prog)
+    return value
+
+
 def check_ranges(args, prog: str = "remix"):
     """Every numeric flag in the range its docstring states: the first that is not gets one line."""
     for name, bound in ranges(type(args)).items():

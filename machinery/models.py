@@ -65,6 +65,16 @@ def load(args, checkpoint: str | None = None):
     return policy, reference, critic
 
 
+def optimizer(model, lr: float, weight_decay: float, offload: bool = False):
+    """AdamW over a model's parameters. torch steps with its multi-tensor (foreach) implementation by itself only
+    where every parameter is on a GPU: an offloaded model's shards (--offload) are host tensors, and it would step
+    them one tensor at a time, a Python loop over hundreds of tensors, so they get foreach explicitly. The
+    arithmetic is the per-tensor step's (tests/test_plan.py compares them exactly); the cost is one fp32
+    intermediate the size of the model's shards during the step, which the plan counts. Elsewhere torch chooses (a
+    caller's own AdamW, such as toy.py's pinned fused one, stays possible)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=True if offload else None)
+
+
 def savable_generation_config(model, quiet: bool = False):
     """The model, with a generation config its checkpoints can save. Many hub models set temperature or top_p in
     generation_config.json without do_sample: transformers loads that with a warning but refuses to save it, so

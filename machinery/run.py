@@ -3,6 +3,7 @@ metrics and the checkpoints to remix.train(). A reader of the method may skip th
 what is computed, and takes what it needs of the method from the method's own contract."""
 
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -186,7 +187,10 @@ class Session:
                  f"{prompt} plus {response}; lower them to fit")
         inputs.check_kept(args, runfolder.WRITES)  # --overwrite would delete it, a checkpoint's rotation later
         runfolder.check_out(args.out, bool(args.resume))
-        self.plan = plan.check(args, self.checkpoint or args.model)  # a run that cannot fit stops here, in one line
+        lengths = plan.Lengths(eval_prompt=longest, eval_problems=len(self.benchmarks))  # what the data says
+        measured = functools.partial(data.longest_prompt, self.problems, self.encode, args.max_prompt_tokens,
+                                     self.max_chars)  # every prompt encoded: only where the verdict may hang on it
+        self.plan = plan.check(args, self.checkpoint or args.model, lengths=lengths, measure_prompt=measured)  # or stop
         runfolder.lock(args.out)
         if not args.resume:
             runfolder.prepare_out(args.out, args.overwrite)

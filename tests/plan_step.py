@@ -32,7 +32,7 @@ def step(args, tokens: int, reset: bool = False):
     from machinery import models
 
     policy, reference, critic = models.load(args)
-    optimizers = [torch.optim.AdamW(net.parameters(), lr=1e-4) for net in (policy, critic) if net is not None]
+    optimizers = [models.optimizer(net, 1e-4, 0.01, args.offload) for net in (policy, critic) if net is not None]
     if reset:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -55,7 +55,7 @@ REMIX_RANGES = {
     "vllm_tp": "in [1, 1024]", "grader_workers": "in [1, 1024]", "grade_timeout": "in [0.5, 1e6]",
     "seed": "in [0, 2147483647]", "dist_timeout": "in (0, 1e6]", "save_every": "in [0, 1000000]",
     "keep_last": "in [0, 1000000]", "eval_every": "in [0, 1000000]", "eval_limit": "in [1, 1000000]",
-    "eval_max_tokens": "in [1, 1048576]", "log_completions": "in [0, 1048576]"}
+    "eval_max_tokens": "in [1, 1048576]", "log_completions": "in [0, 1048576]", "hf_batch_prompts": "in [1, 65536]"}
 EVAL_RANGES = {"n": "in [1, 1024]", "temperature": "0 or in [0.01, 100]", "top_p": "in (0, 1]",
                "max_tokens": "in [1, 1048576]",
                "vllm_tp": "in [1, 1024]", "vllm_gpu_memory_utilization": "in (0, 1)", "limit": "in [1, 1000000]",
@@ -129,6 +129,77 @@ def test_the_numbers_past_any_sane_bound_that_overflowed_get_one_line(flag, valu
     assert exit_info.value.code == 2 and err == [f"remix: error: --{flag.replace('_', '-')} must be "
                                                  f"{flags.ranges(remix.Args)[flag]}, got {value}"], err
     assert not (tmp_path / "out").exists()
+
+
+# every environment variable read as a number: (its name, its range, the run's flags and the other variables that
+# make the code read it); torchrun's are read by dist.init before the process group starts
+ENV_NUMBERS = [("VLLM_CPU_KVCACHE_SPACE", "in [1, 1048576]", {"sampler": "vllm"}, {}),
+               ("LOCAL_WORLD_SIZE", "in [1, 1]", {}, {}),
+               ("WORLD_SIZE", "in [1, 1048576]", {}, {"RANK": "0"}),
+               ("RANK", "in [0, 1]", {}, {"WORLD_SIZE": "2"}),
+               ("LOCAL_WORLD_SIZE", "in [1, 2]", {}, {"RANK": "0", "WORLD_SIZE": "2"}),
+               ("LOCAL_RANK", "in [0, 1]", {}, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}),
+               ("MASTER_PORT", "in [1, 65535]", {}, {"RANK": "0", "WORLD_SIZE": "1"})]
+
+
+def env_bad_values(bound: str) -> list[str]:
+    """What a shell may hold where a whole number in `bound` belongs: words, nothing, nan, inf, a fraction, and the
+    whole numbers just outside each end."""
+    low, high = (int(float(x)) for x in bound[4:-1].split(","))
+    return ["abc", "", "nan", "inf", "-inf", "1.5", str(low - 1), str(high + 1)]
+
+
+@pytest.mark.parametrize("name, bound, changes, context", ENV_NUMBERS)
+def test_an_environment_variable_read_as_a_number_is_checked_as_a_flag_is(name, bound, changes, context, tiny_model,
+                                                                          train_file, tmp_path, capsys, monkeypatch):
+    """Each bad value stops remix.py in one line naming the variable and its range, exit 2, nothing written (nan
+    had passed the memory check; 'abc' had ended in a traceback from int())."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in context.items():
+        monkeypatch.setenv(key, value)
+    for value in env_bad_values(bound):
+        monkeypatch.setenv(name, value)
+        out = tmp_path / "out"
+        with pytest.raises(SystemExit) as exit_info:
+            remix.train(tiny_args(tiny_model, train_file, out, **changes))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and err == [
+            f"remix: error: the environment variable {name} must be a whole number {bound}, got {value!r}: set it to "
+            f"one, or unset it"], (value, err)
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("name, value", [("VLLM_CPU_KVCACHE_SPACE", "nan"), ("VLLM_CPU_KVCACHE_SPACE", "0"),
+                                         ("RANK", "x")])
+def test_eval_checks_the_environment_numbers_it_reads_before_writing(name, value, tiny_model, tmp_path, capsys,
+                                                                     monkeypatch):
+    """eval.py with the CPU engine reads VLLM_CPU_KVCACHE_SPACE (vLLM does, as it starts, after --out is written),
+    and torchrun's numbers at its start: one line, nothing written."""
+    monkeypatch.setenv(name, value)
+    if name == "RANK":
+        monkeypatch.setenv("WORLD_SIZE", "1")
+    out = tmp_path / "eval"
+    with pytest.raises(SystemExit) as exit_info:
+        eval_cli.main(eval_cli.EvalArgs(model=tiny_model, out=str(out), limit=1, sampler="vllm"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(
+        f"eval: error: the environment variable {name} must be a whole number in ["), err
+    assert not out.exists()
+
+
+def test_an_environment_number_in_range_is_what_the_plan_counts(tiny_model, monkeypatch):
+    """VLLM_CPU_KVCACHE_SPACE=3: the CPU engine's part is its weights and 3 GiB; unset, the 1 GiB remix sets."""
+    from machinery import plan
+
+    shape = plan.shape_of(tiny_model)
+    args = remix.finalize_args(remix.Args(model=tiny_model, sampler="vllm"))
+    for value, gib in (("3", 3), (None, 1)):
+        if value is None:
+            monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", value)
+        assert plan.memory(shape, args, 1, False, False, 0.0)["parts"]["engine"] == 4 * shape.params + gib * 2**30
 
 
 @pytest.mark.parametrize("name, bound", list(flags.ranges(eval_cli.EvalArgs).items()))

@@ -73,9 +73,40 @@ def test_the_paper_models_memory_per_gpu_by_hand():
     per_token = L * 2 * H + layer + (4 + 3) * H + 9216 + 4 * (H + I)
     assert parts["activations"] == 16384 * per_token
     assert parts["output layer"] == 5 * 1024 * V * 4 + 2 * 16384 * H * 2 + 4 * V * H
+    m = plan.memory(shape, paper_args(), 1, False, True, 80e9)  # one GPU from here on
+    parts = m["parts"]
+    assert m["tokens"] == 16384 and m["width"] == 9216  # 256 rows of a mini-batch hold more: the flag bounds it
+    assert parts["optimizer step (fp32)"] == 4 * P  # the foreach AdamW's intermediate over the larger model
+    backward = parts["gathered weights"] + parts["activations"] + parts["output layer"]
+    resident = parts["weights (fp32 masters)"] + parts["AdamW moments (fp32)"] + parts["reference"] + 1.5e9
+    assert m["update"] == resident + parts["gradients (fp32)"] + max(backward, 4 * P)
     offloaded = plan.memory(shape, paper_args(), 1, True, True, 80e9)
     assert offloaded["parts"]["weights (fp32 masters)"] == offloaded["parts"]["AdamW moments (fp32)"] == 0
     assert offloaded["host_parts"]["AdamW moments (fp32)"] == 8 * (P + Pc)
+    # the offloaded step's intermediate is on the host; on the GPU, the root's shards (embeddings, head, final norm)
+    # in fp32 on their way in and their fp32 gradients on their way out: 3.7 GB, within the issue's 2-4 GB
+    root = 2 * V * H + H
+    assert offloaded["host_parts"]["optimizer step (fp32)"] == 4 * P
+    assert offloaded["parts"]["optimizer step (fp32)"] == 0
+    assert offloaded["parts"]["offload copies (fp32)"] == 8 * root and 3.7e9 < 8 * root < 3.8e9
+    assert offloaded["update"] == 1.5e9 + parts["reference"] + backward + 8 * root
+    host = plan.host(shape, paper_args(), 1, 1, True)
+    assert host == 2e9 + 16 * (P + Pc) + 4 * P + 4 * P  # process, offloaded states, the step, a save's whole model
+
+
+def test_the_paper_models_kv_cache_under_transformers_sampler_by_hand():
+    """GRPO's defaults with --sampler hf on one GPU: a generate call of 32 prompts x 8 responses, 1,024 + 8,192
+    positions, bf16 keys and values of 2 KV heads x 128 in each of 28 layers, one layer more for the decode step's
+    torch.cat, and the step's four fp32 [256, V] logits blocks: the issue's 67.6 GB for the 28 layers."""
+    shape = plan.shape_of(R1_15B)
+    m = plan.memory(shape, paper_args(algo="grpo", sampler="hf"), 1, False, True, 80e9)
+    rows, positions, layer = 32 * 8, 1024 + 8192, 2 * 256 * 2  # keys and values of one position, bytes
+    assert abs(28 * layer * rows * positions - 67.6e9) < 0.1e9
+    assert m["parts"]["generation cache"] == 29 * layer * rows * positions + 4 * 4 * rows * 151936
+    assert m["parts"]["engine"] == 2 * shape.params  # the policy gathered whole to generate
+    assert m["generation"] > 80e9 > plan.memory(shape, paper_args(algo="grpo"), 1, False, True, 80e9)["peak"]
+    by_batch = plan.memory(shape, paper_args(algo="grpo", sampler="hf", hf_batch_prompts=8), 1, False, True, 80e9)
+    assert by_batch["parts"]["generation cache"] == 29 * layer * 64 * positions + 4 * 4 * 64 * 151936
 
 
 @pytest.mark.parametrize("algo, gb, fits, with_offload", [("ppo", 80, True, True), ("ppo", 40, False, True),
@@ -163,7 +194,7 @@ def test_a_gpu_that_cannot_hold_the_run_names_offload(tiny_model, train_file, tm
             (folder / name).write_bytes((Path(tiny_model) / name).read_bytes())
     (folder / "config.json").write_text(Path(R1_15B).read_text())
     monkeypatch.setattr(safeload, "check_model_folder", lambda folder: None)  # a config without its 3 GB of weights
-    monkeypatch.setattr(plan, "device_memory", lambda: 40e9)
+    monkeypatch.setattr(plan, "device_memory", lambda: (40e9, 40e9))  # (free, total)
     monkeypatch.setattr(plan, "free_bytes", lambda path: 1e15)
     monkeypatch.setattr(plan, "host_available", lambda: 1e12)
     with pytest.raises(SystemExit):
@@ -172,6 +203,32 @@ def test_a_gpu_that_cannot_hold_the_run_names_offload(tiny_model, train_file, tm
     line = one_line(capsys)
     assert "GPU memory per rank" in line and "--offload" in line.split("it fits with")[1], line
     assert not (tmp_path / "run").exists()
+
+
+def test_the_machine_is_read_for_what_is_free(tmp_path, monkeypatch):
+    """Each reading at its source: the host's MemAvailable, no more than a cgroup v2 limit leaves (and all of it
+    without one); the GPU's free and total memory from torch.cuda.mem_get_info; every rank's GPU, the least free."""
+    (tmp_path / "meminfo").write_text("MemTotal:       64000000 kB\nMemAvailable:   20000000 kB\n")
+    limited = tmp_path / "limited"
+    limited.mkdir()
+    (limited / "memory.max").write_text("8000000000\n")
+    (limited / "memory.current").write_text("3000000000\n")
+    unlimited = tmp_path / "unlimited"
+    unlimited.mkdir()
+    (unlimited / "memory.max").write_text("max\n")
+    (unlimited / "memory.current").write_text("3000000000\n")
+    meminfo = str(tmp_path / "meminfo")
+    assert plan.host_available(meminfo, str(limited)) == 5e9
+    assert plan.host_available(meminfo, str(unlimited)) == plan.host_available(meminfo, str(tmp_path)) == 20000000 * 1024
+    assert plan.host_available(str(tmp_path / "none"), str(tmp_path)) == float("inf")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * 2**30, 80 * 2**30))
+    assert plan.device_memory() == (30.0 * 2**30, 80.0 * 2**30)
+    from machinery import dist
+
+    monkeypatch.setattr(dist, "all_gather", lambda obj: [(50e9, 80e9), obj, (45e9, 80e9)])
+    monkeypatch.setattr(plan, "device_memory", lambda: (30e9, 80e9))
+    assert plan.readings(remix.Args(out=str(tmp_path / "out")))["device"] == (30e9, 80e9)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,14 +298,113 @@ def test_the_plan_bounds_the_measured_host_memory_of_a_100m_update(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
+# --sampler hf: transformers' KV cache, against a real generate's
+# ----------------------------------------------------------------------------------------------
+def sliding_model(folder: Path) -> str:
+    """A tiny Qwen2 whose last two of three layers attend within a window of 6 (transformers' sliding layers)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "sliding"])
+def test_the_kv_cache_the_plan_counts_is_a_real_generates(kind, tiny_model, tmp_path):
+    """transformers' generate as hf_generate calls it (left-padded prompts of 3, 7 and 1 tokens, 2 responses each,
+    10 new tokens, none ending early), its DynamicCache's tensors summed: the plan's hf_cache at the positions the
+    cache holds (prompt + new - 1: the last token is never fed back) is those bytes, plus one whole layer (a decode
+    step's torch.cat holds a layer twice) and, per sliding layer, the one position its window keeps only inside
+    that cat."""
+    from transformers import AutoModelForCausalLM
+
+    from machinery import kvcache, models
+
+    source = sliding_model(tmp_path / "sliding") if kind == "sliding" else tiny_model
+    shape = plan.shape_of(source)
+    assert (shape.cache_layers, shape.windowed_layers, shape.window) == ((3, 2, 6) if kind == "sliding" else (2, 0, 0))
+    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    b = 2 if kind == "bf16" else 4
+    model = model.to(torch.bfloat16) if kind == "bf16" else model
+    prompts, n, new = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]], 2, 10
+    batch = models.collate([{"prompt_ids": p, "response_ids": []} for p in prompts], torch.device("cpu"))
+    torch.manual_seed(0)
+    out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_return_sequences=n,
+                         max_new_tokens=new, min_new_tokens=new, do_sample=True, top_k=0, return_dict_in_generate=True,
+                         pad_token_id=model.config.pad_token_id)
+    layers = out.past_key_values.layers
+    measured = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+    rows, positions = len(prompts) * n, 7 + new - 1
+    assert out.sequences.shape == (rows, positions + 1) and all(layer.keys.dtype == model.dtype for layer in layers)
+    position = 2 * shape.kv * b * rows  # one position of one layer, keys and values
+    assert kvcache.hf_cache(shape, rows, positions, b) == measured + position * positions + \
+        shape.windowed_layers * position
+
+
+def test_the_plan_counts_the_batches_a_run_uses(tiny_model, train_file, tmp_path, monkeypatch):
+    """A real GRPO step and evaluations with --sampler hf and --hf-batch-prompts 3, spied on: every transformers
+    generate call's rows (prompts x responses) are at most the plan's, the largest of them is the plan's (training
+    and evaluation alike); and every update micro-batch's padded tokens are at most the plan's micro-batch, which is
+    a mini-batch's rows (4 prompts x 2) times the data's longest prompt plus the response budget, far under the
+    16,384-token flag (issue 43's bound)."""
+    from transformers import GenerationMixin
+
+    from machinery import data, dist, kvcache
+
+    calls, micro, generate, cut = [], [], GenerationMixin.generate, dist.micro_batches
+
+    def spy_generate(self, *args, **kwargs):
+        calls.append((kwargs["input_ids"].shape[0] * kwargs.get("num_return_sequences", 1), kwargs["max_new_tokens"]))
+        return generate(self, *args, **kwargs)
+
+    def spy_micro_batches(samples, max_tokens):
+        plans = cut(samples, max_tokens)
+        if torch.is_grad_enabled():  # the update's (the no-grad passes run over whole batches)
+            micro.extend(len(p) * (max(len(s["prompt_ids"]) for s in p) + max(len(s["response_ids"]) for s in p))
+                         for p in plans)
+        return plans
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy_generate)
+    monkeypatch.setattr(dist, "micro_batches", spy_micro_batches)
+    args = tiny_args(tiny_model, train_file, tmp_path / "run", algo="grpo", group_size=2, prompts_per_step=8, steps=1,
+                     hf_batch_prompts=3, eval_every=1, eval_benchmarks=("aime24",), eval_limit=2, eval_max_tokens=8,
+                     grader_workers=1)
+    remix.train(args)
+    training, evaluation = [r for r, new in calls if new == 24], [r for r, new in calls if new == 8]
+    assert max(training) == min(3, 8) * 2 and max(evaluation) == min(3, 2) * 1, calls
+    shape, finalized = plan.shape_of(tiny_model), remix.finalize_args(args)
+    session = json.loads((tmp_path / "run" / "plan.json").read_text())
+    lengths = plan.Lengths(eval_prompt=session["lengths"]["eval_prompt"], eval_problems=2)
+    assert kvcache.sampler_cache(shape, finalized, 1, 4, lengths) == max(
+        kvcache.hf_generation(shape, 6, args.max_prompt_tokens, 24, 4),
+        kvcache.hf_generation(shape, 2, lengths.eval_prompt, 8, 4))
+    tokenizer = run.load_tokenizer(tiny_model)
+    problems = [(json.loads(line)["problem"], "") for line in open(train_file)]
+    longest = data.longest_prompt(problems, lambda p: remix.build_prompt(tokenizer, p), args.max_prompt_tokens)
+    tokens, width = plan.micro_batch(finalized, 1, longest)
+    assert micro and max(micro) <= tokens == 4 * 2 * width < 16384, (micro, tokens)
+
+
+# ----------------------------------------------------------------------------------------------
 # --offload: the same run, its state on the host
 # ----------------------------------------------------------------------------------------------
 def test_an_offloaded_model_steps_exactly_as_one_without_offload(tiny_model):
     """dist.shard with offload: every shard FSDP2 holds is marked for the host, and a forward, backward, clip and
-    AdamW step give the weights (gathered by dist.full_tensors, as the push does) of the same model without it."""
+    AdamW step give the weights (gathered by dist.full_tensors, as the push does) of the same model without it. The
+    offloaded model steps with the run's optimizer (models.optimizer: torch's foreach AdamW), the other with torch's
+    per-tensor AdamW: the same arithmetic, bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    from machinery import dist
+    from machinery import dist, models
 
     device = dist.init()
     weights = []
@@ -257,7 +413,9 @@ def test_an_offloaded_model_steps_exactly_as_one_without_offload(tiny_model):
         groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
                   for g in dist._param_groups(m._get_fsdp_state())]
         assert groups and all(p.offload_to_cpu == offload for g in groups for p in g.fsdp_params)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optim = models.optimizer(model, 1e-2, 0.01, offload=True) if offload else \
+            torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+        assert optim.defaults["foreach"] is offload
         ids = torch.arange(3, 40).view(1, -1)
         for _ in range(2):
             model(input_ids=ids, labels=ids).loss.backward()
