@@ -185,8 +185,8 @@ def test_each_cpu_memory_advice_followed_is_accepted(advice, given, host, offer,
 
 
 @pytest.mark.parametrize("advice, given, free, offer", [
-    ("--keep-last", dict(algo="grpo", keep_last=3), 60, "--keep-last 2"),
-    ("--save-every", dict(algo="grpo", keep_last=0, save_every=10), 200, "--save-every 40"),
+    ("--keep-last", dict(algo="grpo", keep_last=3), 55, "--keep-last 2"),
+    ("--save-every", dict(algo="grpo", keep_last=0, save_every=10), 100, "--save-every 40"),
     ("--eval-every", dict(algo="grpo", keep_last=1, eval_every=1, eval_max_tokens=32768), 80, "--eval-every 4"),
     ("--algo grpo", dict(algo="ppo", group_size=2, keep_last=1), 60, "--algo grpo (a method setting"),
     ("together", dict(algo="grpo", keep_last=3, eval_every=1, eval_max_tokens=32768), 55, "these together do: "),
