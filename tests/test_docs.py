@@ -17,8 +17,10 @@ from tests.tests_table import rewrite
 README_LINES = 250  # issue 45: the README is the newcomer's first page; the rest lives in docs/
 
 
-@pytest.mark.slow  # one pytest collection in a subprocess, about 5-9 s on 2 cores
+@pytest.mark.slow  # one pytest collection in a subprocess: 9-13 s on 2 shared cores, most of it importing torch
 def test_docs_tests_md_counts_are_what_pytest_collects():
+    """`tests/tests_table.py --check` finds every count of docs/tests.md equal to pytest's own collection's, and a
+    row for every test file."""
     checked = subprocess.run([sys.executable, str(ROOT / "tests" / "tests_table.py"), "--check"],
                              capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert checked.returncode == 0 and checked.stdout == "", (

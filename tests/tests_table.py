@@ -38,7 +38,8 @@ def collect() -> list[tuple[str, bool, bool]]:
     import pytest
 
     class Recorder:
-        tests: list[tuple[str, bool, bool]] = []
+        def __init__(self):
+            self.tests: list[tuple[str, bool, bool]] = []
 
         def pytest_collection_finish(self, session):
             for item in session.items:
@@ -69,7 +70,7 @@ def per_file(tests) -> dict[str, dict[str, int]]:
     counts = collections.defaultdict(lambda: {"default": 0, "fast": 0, "long": 0})
     for file, long, slow in tests:
         counts[file]["long" if long else "default"] += 1
-        counts[file]["fast"] += not long and not slow
+        counts[file]["fast"] += int(not long and not slow)
     return dict(counts)
 
 
