@@ -1,4 +1,4 @@
-"""The lines of remix.py and machinery/*.py that no test executes on this CPU (README: GPU-only code).
+"""The lines of remix.py and machinery/*.py that no test executes on this CPU (docs/tests.md: Code no CPU test runs).
 
     python benchmarks/gpu_only_lines.py [pytest arguments]     # the whole suite: about 30 minutes
     python benchmarks/gpu_only_lines.py -k NAME                 # a narrowed run, to try the script itself
@@ -6,7 +6,7 @@
 Runs the test suite under coverage, following every subprocess (torchrun ranks, CLI runs, grader workers) and
 saving each one's data before os._exit (coverage's `patch = subprocess, _exit`: torchrun ranks end with
 os._exit, which would otherwise skip the save and count lines they ran as missed), then prints each missed
-line with its source. The README's table explains each one.
+line with its source. docs/tests.md's table explains each one.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""The plan's figures for the paper's models, the tables of docs/memory.md and the README, computed by machinery.plan
+"""The plan's figures for the paper's models, the tables of docs/memory.md, computed by machinery.plan
 (the code a run's plan uses) from the models' configs in benchmarks/configs/ (DeepSeek-R1-Distill-Qwen-1.5B and -7B:
 Qwen2, shapes from their config.json):
 

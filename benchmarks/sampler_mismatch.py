@@ -1,6 +1,6 @@
-"""How far vLLM's probabilities of its own sampled tokens are from the trainer's (README: the sampler-trainer
-mismatch), on the CPU: a vLLM engine in fp32 and in bf16 against the fp32 trainer, and both in bf16 (what
---precision bf16, the GPU default, runs).
+"""How far vLLM's probabilities of its own sampled tokens are from the trainer's (docs/precision.md:
+the sampler-trainer mismatch), on the CPU: a vLLM engine in fp32 and in bf16 against the fp32 trainer, and both in
+bf16 (what --precision bf16, the GPU default, runs).
 
     python benchmarks/sampler_mismatch.py [--data FILE: default the repository's data/train/deepscaler_partial.jsonl]
     python benchmarks/sampler_mismatch.py --quick     # the tiny model only, 2 steps: a smoke run of the script

@@ -1,4 +1,4 @@
-"""Two processes (torchrun, FSDP2 over gloo) against one on this CPU, on the tiny model (README: Several GPUs).
+"""Two processes (torchrun, FSDP2 over gloo) against one on this CPU, on the tiny model (docs/multi_gpu.md).
 
     python benchmarks/scale_out.py [--data FILE: default the repository's data/train/deepscaler_partial.jsonl]
     python benchmarks/scale_out.py --part host-memory [--before GIT_REVISION]

@@ -1,5 +1,5 @@
 """Trainer passes at the paper's lengths: memory and speed, before and after chunked log-probs and token-budget
-micro-batches (README: Trainer passes).
+micro-batches (docs/memory.md: Trainer passes at long lengths).
 
     python benchmarks/update_throughput.py                 # both parts, about 20 minutes on 2 cores
     python benchmarks/update_throughput.py --part memory   # or speed
