@@ -253,9 +253,9 @@ def outside_state(folder: Path) -> dict:
 
 
 # what a refusal says right after the path, for each kind of thing planted there ("swapped": a file where a folder
-# goes, or a folder where a file goes)
+# goes, or a folder where a file goes: "is a file", "is a folder", or "is not a regular file" where the run appends)
 REFUSALS = {"symbolic link": "is a symbolic link", "hard link": "has 2 hard links", "FIFO": "is not a",
-            "swapped": "is a"}
+            "swapped": "is"}
 
 
 def out_state(out: Path) -> dict:
