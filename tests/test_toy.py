@@ -348,7 +348,7 @@ def test_a_broken_method_file_is_one_line_naming_its_line_before_anything_is_bui
 
     fork = fork_with_a_flag(tmp_path)
     lines = fork.read_text().splitlines(keepends=True)
-    at = next(i for i, line in enumerate(lines) if line.startswith("METHOD = run.Method("))
+    at = next(i for i, line in enumerate(lines) if line.startswith("METHOD = runner.Method("))
     (tmp_path / "raises.py").write_text("".join(lines[:at] + ["STEPS = {}['steps']\n"] + lines[at:]))
     (tmp_path / "syntax.py").write_text("import math\n\ndef train(args:\n    pass\n")
     (tmp_path / "other.py").write_text("def train(args):\n    return {}\n")
