@@ -264,7 +264,7 @@ def test_a_methods_runs_are_named_by_its_code_its_flags_the_machinery_and_the_ba
                                              str(cache))
     arm = named(code, {})
     assert arm.label.startswith("m-") and len(arm.label) == 10 and named(code, {}).label == arm.label
-    assert (arm.project / "remix.py").read_bytes() == code and (arm.project / "machinery" / "run.py").exists()
+    assert (arm.project / "remix.py").read_bytes() == code and (arm.project / "machinery" / "runner.py").exists()
     assert named(code, {"extra_entropy": 0.3}).label != arm.label != named(code + b"\n", {}).label
     (cache / "meta.json").write_text('{"version": [5, 300, 200]}')
     assert named(code, {}).label != arm.label
