@@ -171,3 +171,14 @@ def test_the_walk_finds_a_module_the_map_leaves_out(tmp_path):
     package = plant(tmp_path, {"top": "", "low": ""})
     (package / "extra.py").write_text('"""extra."""\n')
     assert any("map lists" in line for line in problems(package, {}))
+
+
+def test_console_imports_no_torch_so_a_signal_while_torch_imports_is_one_line():
+    """remix.py and eval.py import console before torch (console.one_line_interrupts): it must not import torch itself
+    (it holds what messages, progress and signals held, which asked dist for the rank at their tops)."""
+    import subprocess
+    import sys
+
+    check = "import sys; import machinery.console; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
