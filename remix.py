@@ -1,7 +1,7 @@
 """ReMix: Reincarnating Mix-policy Proximal Policy Gradient, the method in one file.
 
 Liang et al., "Squeeze the Soaked Sponge: Efficient Off-policy Reinforcement Finetuning for Large Language Model",
-arXiv 2507.06892. Calls into the package it runs on, machinery/, name their module (dist., run., ...): skip them.
+arXiv 2507.06892. Calls into the package it runs on, machinery/, name their module (dist., runner., ...): skip them.
 
     replay = deque(maxlen=N)                                      the last N policies' fresh batches
     for k = 1, 2, ...:
