@@ -17,9 +17,9 @@ are written as each benchmark finishes, and a rerun with the same --out continue
 """
 
 if __name__ == "__main__":  # first: a Ctrl-C while torch imports ends in one line too
-    from machinery import startup
+    from machinery import console
 
-    startup.one_line_interrupts("eval")
+    console.one_line_interrupts("eval")
 
 import dataclasses
 import hashlib
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from machinery import data, dist, evaluation, flags, messages, models, run, runfolder, safeload, signals
+from machinery import console, data, dist, evaluation, flags, models, paths, runfolder, runner, safeload
 
 PROG = "eval"
 
@@ -100,7 +100,7 @@ class EvalArgs:
 
 
 def fail(message: str):
-    messages.fail(message, PROG)
+    console.fail(message, PROG)
 
 
 _methods = {}  # file -> its module: each method file is imported once per process
@@ -132,9 +132,9 @@ def load_method(path: str | None):
                 fail(f"--method {path}: importing it failed: {type(error).__name__}: {str(error).splitlines()[0]}")
             _methods[path] = module
     module = _methods[path]
-    if not isinstance(getattr(module, "METHOD", None), run.Method) or not dataclasses.is_dataclass(
+    if not isinstance(getattr(module, "METHOD", None), runner.Method) or not dataclasses.is_dataclass(
             getattr(module, "Args", None)):
-        fail(f"--method {path}: it has no METHOD (a machinery.run.Method) and Args, as remix.py has; give a copy of it")
+        fail(f"--method {path}: it has no METHOD (a machinery.runner.Method) and Args, as remix.py has; give a copy of it")
     return module
 
 
@@ -184,9 +184,9 @@ def check(args: EvalArgs):
         engines.cpu_kv_cache_gib(PROG)  # the CPU engine reads it at its start, after --out is written
     mine, theirs = load_method(args.method).METHOD.record(), trained_by(args.model)
     if theirs is not None and (theirs["file"], theirs.get("sha256")) != (mine["file"], mine["sha256"]):
-        messages.say(f"{args.model} was trained by {theirs['file']} (sha256 {str(theirs.get('sha256'))[:12]}) and is "
-                     f"evaluated with {mine['file']} (sha256 {str(mine['sha256'])[:12]}): its prompt and answer check "
-                     f"(--method names the method file)", PROG)
+        console.say(f"{args.model} was trained by {theirs['file']} (sha256 {str(theirs.get('sha256'))[:12]}) and is "
+                    f"evaluated with {mine['file']} (sha256 {str(mine['sha256'])[:12]}): its prompt and answer check "
+                    f"(--method names the method file)", PROG)
 
 
 def trained_by(model: str) -> dict | None:
@@ -264,12 +264,12 @@ WRITES = ("samples.jsonl", "summary.json", "results.md", "settings.json", runfol
 def check_kept(args: EvalArgs):
     """Nothing the job reads (the model folder, the benchmark folder, the method file, the samples it regrades) is
     a file it writes or replaces in --out: one line names it and the way out, before anything is written."""
-    from machinery import inputs
+    from machinery import paths
 
     reads = {flag: (value, [value]) for flag, value in (("--model", args.model), ("--data-dir", args.data_dir),
                                                          ("--method", args.method), ("--regrade", args.regrade))
              if value is not None and os.path.lexists(value)}
-    found = inputs.read_where_written(args.out, reads, WRITES)
+    found = paths.read_where_written(args.out, reads, WRITES)
     if found:
         flag, value, entry = found
         fail(f"{flag} {value} is {entry}, which this job writes in --out {args.out}: nothing a job reads is replaced "
@@ -363,7 +363,7 @@ def evaluate(args: EvalArgs) -> list[dict]:
     names = evaluation.resolve(args.benchmarks, PROG)
     problems = {name: evaluation.load_benchmark(name, args.data_dir, args.limit, args.hub, PROG) for name in names}
     # every prompt is built before --out is touched: a chat template that fails stops with one line, leaving nothing
-    tokenizer = run.load_tokenizer(args.model, PROG)
+    tokenizer = runner.load_tokenizer(args.model, PROG)
     context, source = models.context_length(args.model, tokenizer) or (None, None)
     if context is not None:  # a problem longer than the context can hold is skipped unrendered (data.char_bound)
         bound = data.char_bound(tokenizer, context)
@@ -371,7 +371,7 @@ def evaluate(args: EvalArgs) -> list[dict]:
     runs = protocol_runs(args, names)
     sizes = {(r["label"], name): len(problems[name]) * r["n"] for r in runs for name in names}
     if not tokenizer.chat_template:
-        messages.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text", PROG)
+        console.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text", PROG)
     method, suffix = load_method(args.method).METHOD, suffix_of(args)
     encode = data.template_guard(lambda problem: method.build_prompt(tokenizer, problem, suffix, args.system_prompt),
                                  args.model, PROG)
@@ -388,7 +388,7 @@ def evaluate(args: EvalArgs) -> list[dict]:
         todo = [(r, name, repeat) for r in runs for name in names for repeat in range(r["repeats"][name])
                 if (r["label"], name, repeat) not in done]
         if done:
-            messages.say(f"continuing {args.out}: {len(done)} of {len(done) + len(todo)} runs of benchmarks already there", PROG)
+            console.say(f"continuing {args.out}: {len(done)} of {len(done) + len(todo)} runs of benchmarks already there", PROG)
         if not todo:
             return samples
         sampler = start_sampler(args, [p for ps in prompts.values() for p in ps])
@@ -398,11 +398,11 @@ def evaluate(args: EvalArgs) -> list[dict]:
 
             engines.stop(sampler)  # before the process group goes (dist.finish): vLLM's shutdown uses it
     except BaseException as error:  # a signal, or what the code it landed in made of it
-        if not signals.from_signal(error):
+        if not console.from_signal(error):
             raise
         finished = "finished runs of benchmarks" if samples is None else \
             f"{len({(s['run'], s['benchmark'], s['repeat']) for s in samples})} finished runs of benchmarks"
-        raise signals.Stopped(f"interrupted; the {finished} are in {args.out}/samples.jsonl: rerun the same command to "
+        raise console.Stopped(f"interrupted; the {finished} are in {args.out}/samples.jsonl: rerun the same command to "
                               f"continue") from None
     return samples
 
@@ -419,18 +419,18 @@ def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, st
             evaluation.grade(load_method(args.method).METHOD, unit, args.workers, args.grade_timeout)
             evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), unit, mode="a")
             samples += unit
-            messages.say(f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}: {len(unit)} samples in "
-                         f"{time.perf_counter() - start:.0f} s", PROG)
+            console.say(f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}: {len(unit)} samples in "
+                        f"{time.perf_counter() - start:.0f} s", PROG)
 
 
 def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
-    signals.catch_interrupts()
+    console.catch_interrupts()
     dist.init(prog=PROG)
     if args.curves:
-        from machinery import curves
+        from machinery import logs
 
-        return curves.draw(args.curves, args.out)
+        return logs.draw(args.curves, args.out)
     check_kept(args)
     if args.regrade:
         flags.check_ranges(args, PROG)
@@ -438,7 +438,7 @@ def main(args: EvalArgs) -> dict:
         samples = evaluation.read_samples(args.regrade, PROG)
         prepare_regrade(args)
         if dist.rank() == 0:
-            messages.say(f"grading {len(samples)} responses with {args.workers} worker processes", PROG)
+            console.say(f"grading {len(samples)} responses with {args.workers} worker processes", PROG)
             evaluation.grade(load_method(args.method).METHOD, samples, args.workers, args.grade_timeout)
             evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), samples)
     else:
@@ -457,4 +457,4 @@ def main(args: EvalArgs) -> dict:
 
 
 if __name__ == "__main__":
-    run.main(lambda: main(run.cli(EvalArgs, PROG)), PROG)
+    runner.main(lambda: main(runner.cli(EvalArgs, PROG)), PROG)

@@ -1,7 +1,7 @@
 """ReMix: Reincarnating Mix-policy Proximal Policy Gradient, the method in one file.
 
 Liang et al., "Squeeze the Soaked Sponge: Efficient Off-policy Reinforcement Finetuning for Large Language Model",
-arXiv 2507.06892. Calls into the package it runs on, machinery/, name their module (dist., run., ...): skip them.
+arXiv 2507.06892. Calls into the package it runs on, machinery/, name their module (dist., runner., ...): skip them.
 
     replay = deque(maxlen=N)                                      the last N policies' fresh batches
     for k = 1, 2, ...:
@@ -21,8 +21,8 @@ arXiv 2507.06892. Calls into the package it runs on, machinery/, name their modu
 """
 
 if __name__ == "__main__":  # first: a Ctrl-C while torch imports (seconds) ends in one line too
-    from machinery import startup
-    startup.one_line_interrupts("remix")
+    from machinery import console
+    console.one_line_interrupts("remix")
 
 import collections
 import functools
@@ -33,7 +33,7 @@ from typing import Annotated, Literal
 
 import torch
 
-from machinery import dist, engines, flags, grader, guard, metrics, models, notation, run
+from machinery import dist, engines, flags, grader, logs, models, runner
 
 
 @dataclass
@@ -201,7 +201,7 @@ def build_prompt(tokenizer, problem: str, suffix: str = Args.prompt_suffix, syst
 def final_answer(response: str) -> str | None:
     """The content of the last balanced \\boxed{...} (or \\fbox) of the text after the first </think>, or of the
     whole text without one: 'so \\boxed{\\frac{1}{2}}.' -> '\\frac{1}{2}'."""
-    return notation.last_boxed(response.partition("</think>")[2] if "</think>" in response else response)
+    return grader.last_boxed(response.partition("</think>")[2] if "</think>" in response else response)
 
 
 @functools.lru_cache(maxsize=200_000)
@@ -209,7 +209,7 @@ def parse_boxed(expression: str):
     """math-verify's parse of one answer, first in notation it reads (1.39e9, x', \\dfrac, ...); raises on failure."""
     from math_verify import parse
 
-    return parse("\\boxed{" + notation.rewrite(expression) + "}", raise_on_error=True)
+    return parse("\\boxed{" + grader.rewrite(expression) + "}", raise_on_error=True)
 
 
 def grade_response(response: str, answer: str) -> tuple[float, str]:
@@ -237,8 +237,8 @@ def training_reward(response: str, answer: str, tokens: int, truncated: bool) ->
     return {"correct": correct}, status
 
 
-METHOD = run.Method(finalize=finalize_args, build_prompt=build_prompt, final_answer=final_answer, warm=parse_boxed,
-                    warm_args=("1",), grade_response=grade_response, reflection_words=SELF_REFLECTION_WORDS)
+METHOD = runner.Method(finalize=finalize_args, build_prompt=build_prompt, final_answer=final_answer, warm=parse_boxed,
+                       warm_args=("1",), grade_response=grade_response, reflection_words=SELF_REFLECTION_WORDS)
 
 
 # ==============================================================================================
@@ -594,7 +594,7 @@ def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd:
                 for name, term in kl.items():
                     terms[name] += float(term.detach()) * float(share)  # summed over the ranks by guard
             norms = [dist.clip_grad_norm(net, args.max_grad_norm) for net in nets]  # each model's global norm
-            if guard.finite_update(terms, norms, stats, step):  # else skipped; 3 in a row stop the run
+            if models.finite_update(terms, norms, stats, step):  # else skipped; 3 in a row stop the run
                 for optim in optimizers:
                     optim.step()
             for optim in optimizers:  # no gradients held through the push, generation and no-grad passes
@@ -607,7 +607,7 @@ def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd:
 # ---- The training loop -----------------------------------------------------------------------
 def train(args: Args, on_step=None) -> dict:
     """The whole run; on_step(step, record, policy, tokenizer, batch) runs after each step (the toy study's hook)."""
-    session = run.Session(args, METHOD)  # every check, then --out locked; a resumed run's state
+    session = runner.Session(args, METHOD)  # every check, then --out locked; a resumed run's state
     args, tokenizer = session.args, session.tokenizer
     policy, reference, critic = models.load(args, session.checkpoint)  # pi_theta, pi_ref, V
     optimizers = [models.optimizer(net, lr, args.weight_decay, args.offload)  # AdamW
@@ -645,11 +645,11 @@ def train(args: Args, on_step=None) -> dict:
             # 9. log; evaluate every --eval-every steps; save every --save-every steps
             record = {"step": step, "phase": "mix" if mixing else "on-policy", "kl_convex/lambda": lam,
                       "train/utd": utd, "replay/deque_size": len(replay),
-                      **metrics.step_metrics(step, fresh, history, diagnostics, stats)}
+                      **logs.step_metrics(step, fresh, history, diagnostics, stats)}
             session.end_step(record, fresh, history, RECOMPUTED, args.reincarnation and step >= args.reincarnate_step,
                              on_step)  # on_step(step, record, policy, tokenizer, batch), then fields dropped, saved
     return dict(policy=policy, reference=reference, critic=critic, replay=replay, llm=llm, tokenizer=tokenizer)
 
 
 if __name__ == "__main__":
-    run.main(lambda: train(run.cli(Args)))
+    runner.main(lambda: train(runner.cli(Args)))

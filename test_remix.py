@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
-from machinery import dist, engines, evaluation, flags, metrics, models, notation  # noqa: E402
+from machinery import dist, engines, evaluation, flags, grader, logs, models  # noqa: E402
 from tests.common import (DATA, ROOT, TRAIN, full_state, plain_copy, read_metrics, tiny_args,  # noqa: E402, F401
                           wait_into_step_3)
 from tests.tiny_model import build_tiny_model  # noqa: E402
@@ -63,7 +63,7 @@ def test_math_reward(response, answer, expected):
 
 
 def test_unbalanced_boxes_empty_answers_and_grader_errors_score_zero(monkeypatch):
-    assert notation.last_boxed("so \\boxed{\\frac{1}{2}") is None  # unbalanced: no answer
+    assert grader.last_boxed("so \\boxed{\\frac{1}{2}") is None  # unbalanced: no answer
     assert remix.grade_response("\\boxed{}", "1") == (0.0, "unparsable")
 
     def broken(expression):
@@ -76,7 +76,7 @@ def test_unbalanced_boxes_empty_answers_and_grader_errors_score_zero(monkeypatch
 def test_grade_response_reports_status():
     assert remix.grade_response("\\boxed{1}", "1") == (1.0, "ok")
     assert remix.grade_response("nothing", "1") == (0.0, "no_boxed")
-    assert notation.last_boxed("a \\boxed{x^{2}} b") == "x^{2}"
+    assert grader.last_boxed("a \\boxed{x^{2}} b") == "x^{2}"
 
 
 def test_a_response_cut_at_the_length_limit_is_graded_like_any_other_and_is_terminal(tiny_model):
@@ -691,7 +691,7 @@ def test_sampler_mismatch_sums_by_hand():
               "sampler_weight": torch.tensor([2.0])},
              {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": None}]  # the hf sampler: nothing to compare
     gaps = [0.0, -1.0, 1.0]  # log pi_trainer - log pi_sampler on the three vLLM tokens
-    abs_sum, k3_sum, outside, weight_sum, count, largest = metrics.sampler_mismatch(fresh)
+    abs_sum, k3_sum, outside, weight_sum, count, largest = logs.sampler_mismatch(fresh)
     assert abs_sum == pytest.approx(2.0) and largest == pytest.approx(1.0) and count == 3
     assert k3_sum == pytest.approx(sum(math.exp(g) - 1 - g for g in gaps))
     assert outside == 2  # e^-1 = 0.37 and e^1 = 2.72 leave [0.5, 2]
@@ -912,7 +912,7 @@ def test_step_metrics_adv_scale_and_trace_product_by_hand():
     dist.padding.clear()
     dist.padding.update(tokens=6, slots=8)
     diagnostics = remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=1, vtrace_c_bar=1.0))
-    record = metrics.step_metrics(3, fresh, history, diagnostics, {})
+    record = logs.step_metrics(3, fresh, history, diagnostics, {})
     # mean |A| over historical tokens (0.5 + 0.5 + 1) / 3, over fresh ones (2 + 2 + 1) / 3
     assert record["offpolicy/adv_scale"] == pytest.approx((2 / 3) / (5 / 3))
     assert record["offpolicy/trace_prod_mean"] == pytest.approx(0.5 * 0.8 * 1.0)
@@ -927,7 +927,7 @@ def test_step_metrics_adv_scale_and_trace_product_by_hand():
     # with a critic: targets (1, 2, 3, 4), values (1, 1, 3, 5): residuals (0, 1, 0, -1), Var 0.5 against Var 1.25
     for s, (target, value) in zip(fresh + history, (([1.0, 2.0], [1.0, 1.0]), ([3.0], [3.0]), ([4.0], [5.0]))):
         s["value_targets"], s["values"] = torch.tensor(target), torch.tensor(value)
-    record = metrics.step_metrics(3, fresh, history, diagnostics, {})
+    record = logs.step_metrics(3, fresh, history, diagnostics, {})
     assert record["losses/explained_variance"] == pytest.approx(1 - 0.5 / 1.25)
 
 
@@ -941,8 +941,8 @@ def test_zero_std_groups_counts_fresh_groups_whose_rewards_all_agree():
     adv = {"mask": mask, "advantages": torch.zeros(8, 1), "trace_c": torch.ones(8, 1), "log_ratio": torch.zeros(8, 1),
            "historical": torch.arange(8) >= 6}
     dist.padding.update(tokens=8, slots=8)
-    record = metrics.step_metrics(2, fresh, history, remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=2)),
-                                  {})
+    record = logs.step_metrics(2, fresh, history, remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=2)),
+                               {})
     assert record["reward/zero_std_groups"] == pytest.approx(2 / 3)
     assert record["batch/historical"] == 2 and record["offpolicy/ratio_mean"] == 1.0
 

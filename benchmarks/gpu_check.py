@@ -94,7 +94,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import remix  # noqa: E402
-from machinery import checkpoints, dist, engines, evaluation, models, plan, signals, startup  # noqa: E402
+from machinery import checkpoints, console, dist, engines, evaluation, models, plan  # noqa: E402
 from tests.tiny_model import build_tokenizer  # noqa: E402
 
 GIB = 2**30
@@ -123,7 +123,7 @@ def terminated(signum, frame):
 
 
 def guarded(name: str, fn, *args) -> dict:
-    """fn(*args), one part or check. One that raises, calls machinery.messages.fail (a SystemExit) or times out is
+    """fn(*args), one part or check. One that raises, calls machinery.console.fail (a SystemExit) or times out is
     recorded with its error and the rest still run (a GPU session's minutes are few); the failure is remembered, so
     the check exits 1 at the end (the CPU dry run's test sees a broken part). A signal (Ctrl-C, SIGTERM) ends it."""
     try:
@@ -698,12 +698,12 @@ def main(argv=None):
         shutil.rmtree(model, ignore_errors=True)
         part("save", "save_and_resume", save_and_resume, data, out, needs_grader=True)
     except (Terminated, KeyboardInterrupt) as stop:
-        # Terminated: a SIGTERM before any remix run. After one, its handlers (signals.catch_interrupts) have replaced
+        # Terminated: a SIGTERM before any remix run. After one, its handlers (console.catch_interrupts) have replaced
         # ours: their KeyboardInterrupt names the signal (seen()), during a run or between runs; else it is Ctrl-C
-        signum = signals.seen() or (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
+        signum = console.seen() or (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
         print(f"gpu_check: stopped by {signal.Signals(signum).name}; the parts done so far are in gpu_check.json",
               flush=True)
-        raise SystemExit(startup.EXIT_CODES[signum]) from None
+        raise SystemExit(console.EXIT_CODES[signum]) from None
     finally:
         shutil.rmtree(model, ignore_errors=True)  # 3 GB at 1.5B: never left under OUT_DIR, whatever stopped the check
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))

@@ -115,7 +115,7 @@ MUTANTS = {
     "a no-grad pass leaves the root unsharded": (
         "machinery/models.py", "    dist.reshard(model)\n", "\n"),
     "non-finite updates stepped anyway": (
-        "machinery/guard.py", "        return False\n    _guard[\"in_a_row\"] = 0", "        return True\n    _guard[\"in_a_row\"] = 0"),
+        "machinery/models.py", "        return False\n    _guard[\"in_a_row\"] = 0", "        return True\n    _guard[\"in_a_row\"] = 0"),
     # the engine's sleep contract: caught only by the sleep-mode stand-in's tests (slow: they start vLLM)
     "an evaluation leaves the engine asleep and the next sample wakes only the KV cache": (
         "machinery/engines.py", '    if llm.llm_engine.is_sleeping():  # vLLM would never schedule the requests, and loop at full CPU\n        fail("the vLLM engine is asleep where it must generate (a sleep with no push_weights after it); "\n             "this is a bug in remix\'s sleep sequence: run with --no-vllm-sleep meanwhile")\n    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, seed=seed,\n                             logprobs=0 if logprobs else None, max_tokens=max_tokens) for seed in seeds]\n    with serving_threads():\n        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=use_tqdm)\n',

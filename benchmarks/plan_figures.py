@@ -67,7 +67,7 @@ def one(argv: list[str]):
     import argparse
     import json
 
-    from machinery import run
+    from machinery import runner
 
     parser = argparse.ArgumentParser(prog="python benchmarks/plan_figures.py")
     parser.add_argument("config")
@@ -75,7 +75,7 @@ def one(argv: list[str]):
     parser.add_argument("--gpu-gb", type=float, default=80.0)
     known, rest = parser.parse_known_args(argv)
     sys.argv = ["remix"] + rest
-    args = remix.finalize_args(run.cli(remix.Args))
+    args = remix.finalize_args(runner.cli(remix.Args))
     if "--precision" not in rest:
         args.precision = "bf16"  # the figures are a GPU's
     figures = plan.figures(plan.shape_of(known.config), args, known.gpus, True, known.gpu_gb * 1e9, args.offload,

@@ -1,28 +1,30 @@
-"""The machinery remix.py runs on. A reader of the method may skip all of it: remix.py names the module at every
-call (`dist.all_reduce(...)`, `engines.push_weights(...)`), and nothing here changes what the method computes.
+"""The machinery remix.py runs on: one module per job, listed below from the program's entry down.
 
-    dist         several processes: the process group, reductions, FSDP2 sharding, mini- and micro-batches over ranks
-    models       loading the policy, reference and critic; precision; the chunked output layer; collation
-    engines      the samplers: the vLLM engine (start, generate, weight push, sleep) and transformers' generate
-    grader       worker processes with a hard deadline per task (math-verify can hang inside C code)
-    data         training problems from files or the hub, checked row by row; the prompt stream
-    run          a program's entry and the Session that ties the modules below to train()
-    flags        each numeric flag's range (both bounds) from its docstring; impossible combinations; model path, hub
+A reader of the method may skip it: remix.py names the module at every call (`dist.all_reduce(...)`,
+`engines.push_weights(...)`). Every equation of the paper is in remix.py. What this package computes for the method
+reaches its numbers only through calls remix.py names: grader.rewrite decides which answers the reward counts as
+right (remix.parse_boxed passes every gold and predicted answer through it), models.chunked_logprobs computes the
+log-probabilities through the output layer in chunks (the same values and gradients as one pass: test_remix.py),
+models.finite_update skips an update whose loss or gradient is not finite, dist sums over the ranks what remix.py
+hands it, the engines draw the responses with the seeds and settings remix.py passes, and session.next_prompts
+(data's stream) hands it its prompts. Each module imports, at its top, only modules listed below it, and none imports remix
+(tests/test_machinery.py; four imports inside functions point up, each named there with its reason).
+
+    runner       a program's entry (main, cli) and the Session that ties a run's parts to remix.train()
     plan         before step 1: the disk and memory a run will take, from the model's config; one line if it cannot fit
-    runfolder    where a run may write, its lock, refusing to clobber a run; every write, never through a link
-    logs         metrics.jsonl, completions.jsonl, TensorBoard and wandb, trimmed on resume
-    metrics      the step's record, combined over the ranks from what the method hands over
-    guard        a non-finite loss or gradient skips the update; three in a row stop the run
-    signals      Ctrl-C, SIGTERM and SIGHUP end a program with one line that says what is kept
-    messages     one clear line: fail (exit 2) and say, from the first process only
+    advice       the flags under which a run that does not fit would, each judged by the plan's own arithmetic
     checkpoints  checkpoints written atomically, rotated (older ones reduced to model folders), read back for a resume
-    safeload     files from a folder a user points at, read without running anything they hold; model folders checked
-    inputs       what a resume reads again from outside --out (base model, dataset, benchmarks): moved, and the same
-    statecheck   what a checkpoint's trainer state and optimizer shards must hold before a resume uses them
-    evaluation   Pass@1 on the benchmarks, for eval.py and for evaluation during training
-    progress     progress on long waits: an evaluation's done/total, tokens/s and time left; each step's line
+    paths        what a run reads from outside --out (moved, and the same on a resume) and where it writes under it
+    logs         metrics.jsonl and the step's record over the ranks, completions, TensorBoard, wandb; eval.py --curves
+    evaluation   Pass@1 on the benchmarks, for eval.py and for the evaluation during training
     deepscaler   DeepScaleR's answer rules (the grader behind the paper's numbers), for eval.py --grader deepscaler
-    notation     answers rewritten into notation math-verify reads (1.39e9, x', \\dfrac, ...) before it parses them
-    curves       the pictures of eval.py --curves: Pass@1 against rollouts and tokens, length and reflection
-    startup      the first lines a program runs: Ctrl-C while torch imports ends in one line
+    grader       the answer check: answers rewritten into notation math-verify reads; workers with a deadline per task
+    engines      the samplers: vLLM (start, generate, sleep, weight push), transformers' generate, their KV cache
+    models       loading the models, precision, the chunked output layer, collation, the optimizer, the finite guard
+    data         training problems from files or the hub, checked row by row; the prompt stream
+    flags        each numeric flag's range (both bounds) from its docstring; impossible combinations; model path, hub
+    safeload     model, tokenizer and checkpoint files read without running anything they hold, and checked
+    runfolder    the run folder's lock, refusing to clobber a run; every write under --out, never through a link
+    dist         several processes: the process group, reductions, FSDP2 sharding, mini- and micro-batches over ranks
+    console      what a program prints (fail: exit 2, say, progress) and how it ends on Ctrl-C, SIGTERM or SIGHUP
 """

@@ -1,4 +1,6 @@
-"""The advice of a plan that does not fit: the flags under which the run fits, each judged by the plan's own
+"""The advice a plan that does not fit prints: the flags under which the run fits on this machine.
+
+The advice of a plan that does not fit: the flags under which the run fits, each judged by the plan's own
 arithmetic on this machine (machinery.plan hands over a judge of the changed run), so that the run started again
 with them is accepted. Run-level settings come first, each alone, then together; a method setting is said to be one.
 A resumed run keeps its saved flags, so it gets no flag. A reader of the method may skip this module."""

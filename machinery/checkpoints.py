@@ -1,4 +1,6 @@
-"""Checkpoints: written atomically by every rank, rotated, holding everything a resumed run needs, and read back
+"""Checkpoints: written atomically, rotated, and read back for a resume without running anything they hold.
+
+Checkpoints: written atomically by every rank, rotated, holding everything a resumed run needs, and read back
 without executing anything from the folder. A reader of the method may skip this module.
 
     checkpoint-STEP/             the policy and tokenizer: a plain transformers / vLLM model folder (safetensors)
@@ -9,7 +11,7 @@ without executing anything from the folder. A reader of the method may skip this
 Only the newest checkpoint is full. Once a new one is on the disk (every file and folder flushed) and renamed into
 place, every older one that --keep-last keeps is reduced to its policy model folder (weights, config.json,
 generation_config.json, tokenizer files: what eval.py and vLLM load), its weights cast to the base model's dtype
-(machinery.weightcast; the newest keeps the fp32 master weights, so a resume is exact): a resume needs only the
+(machinery.models; the newest keeps the fp32 master weights, so a resume is exact): a resume needs only the
 newest, and the older ones are kept for evaluation. So a save's peak on disk is two full checkpoints (the new one and
 the last) plus keep_last - 1 model folders (every earlier save's with --keep-last 0), and between saves one full
 checkpoint and keep_last - 1 model folders.
@@ -17,7 +19,7 @@ checkpoint and keep_last - 1 model folders.
 Every .pt file holds only tensors, numbers, strings, lists, tuples and dicts, and is read with torch's
 weights-only loader, which refuses anything else (a pickled object that could run code); model weights are
 safetensors (machinery.safeload reads them). Every file is checked before it is used: its type (no FIFO, which would
-block), its fields and shapes against what save() writes (machinery.statecheck), each model's weights against its
+block), its fields and shapes against what save() writes (machinery.safeload), each model's weights against its
 config. A damaged,
 tampered, misnamed (the step is what trainer_state.pt says) or linked checkpoint is named in one line, and --resume
 falls back to the previous full one if there is one (a kill during a reduction can leave one); the only one holding
@@ -34,8 +36,9 @@ import sys
 import numpy as np
 import torch
 
-from machinery import dist, inputs, runfolder, safeload, statecheck, weightcast
-from machinery.messages import fail, say
+from machinery import dist, models, paths, runfolder, safeload
+from machinery.console import fail, say
+from machinery.models import base_dtype  # save() holds the models under the name models
 
 FORMAT = 2  # 1: optimizers in torch.distributed.checkpoint's format, trainer state pickled (no longer read)
 TRAINING_PARTS = ("critic", "reference", "optim")  # with trainer_state*.pt: what an older checkpoint loses
@@ -131,7 +134,7 @@ def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer
             _delete(tmp)
         fail(f"cannot write checkpoint {final}: {errors[0]}; the previous checkpoints are intact")
     if dist.rank() == 0:
-        prune(out, step, keep_last, weightcast.base_dtype(trainer_state.get("args", {}).get("model")))
+        prune(out, step, keep_last, base_dtype(trainer_state.get("args", {}).get("model")))
     dist.barrier()
     return final
 
@@ -245,7 +248,7 @@ def reduce(folder: str, dtype: torch.dtype = torch.float32):
         for index, path in enumerate(parts):
             runfolder.replace(path, os.path.join(trash, f"{index}-{os.path.basename(path)}"))
         _delete(trash)
-    weightcast.cast_folder(folder, dtype)
+    models.cast_folder(folder, dtype)
 
 
 def remove(path: str):
@@ -293,7 +296,7 @@ def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
             params[name], size, known = safeload.model_parameters(model_folder, critic=name == "critic")
             vocab = size if name == "policy" else vocab
             safeload.check_weights(model_folder, params[name], known)
-    statecheck.check_state(state, path, step_of(folder), defaults, vocab)
+    safeload.check_state(state, path, step_of(folder), defaults, vocab)
     trained = ("policy", "critic") if state["args"]["algo"] == "ppo" else ("policy",)
     if any(name not in params for name in trained):
         raise ValueError(f"{folder} lacks the model folder of its {' or '.join(trained)}")
@@ -301,9 +304,9 @@ def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
         return state, {}
     path = optim_file(folder, rank)
     shard = safeload.read_pt(path)
-    shapes = {name: [statecheck.local_shape(shape, rank, dist.world()) for shape in params[name].values()]
+    shapes = {name: [safeload.local_shape(shape, rank, dist.world()) for shape in params[name].values()]
               for name in trained}
-    statecheck.check_optimizer(shard, path, shapes)
+    safeload.check_optimizer(shard, path, shapes)
     return state, shard
 
 
@@ -377,7 +380,7 @@ def typed_flags(argv: list[str] | None = None) -> set[str]:
 
 def resume_args(args, saved: dict, done: int):
     """The run's saved arguments; only --steps may change (to extend a run), and --model, --dataset and
-    --eval-data-dir may give the new place of what the run read (machinery.inputs checks it is the same). Other
+    --eval-data-dir may give the new place of what the run read (machinery.paths checks it is the same). Other
     flags given are named, those typed at their default value too."""
     import dataclasses
 
@@ -386,7 +389,7 @@ def resume_args(args, saved: dict, done: int):
     defaults, given, typed = type(args)(), dataclasses.asdict(args), typed_flags()
     changed = [k for k, v in given.items() if (k in typed or v != getattr(defaults, k))
                and k not in ("resume", "steps", "resume_other_method", "resume_changed_data") and v != saved.get(k)]
-    moved = {k: given[k] for k in changed if k in inputs.MOVABLE}  # what the run read, whose place may have moved
+    moved = {k: given[k] for k in changed if k in paths.MOVABLE}  # what the run read, whose place may have moved
     changed = [k for k in changed if k not in moved]
     steps_given = args.steps != defaults.steps or "steps" in typed
     steps = args.steps if steps_given else saved["steps"]  # --steps 350 typed out extends a run too
@@ -402,7 +405,7 @@ def check_writer(args, state: dict, mine: dict):
     """--resume by the method that wrote the run, and with every argument it saved known: a run written by another
     method file (or another version of this one) is refused in one line naming both, unless --resume-other-method;
     a saved argument this method's Args lacks (a fork's own flag) is refused in one line, never dropped. A run from
-    before runs recorded their method is said so, and resumed. mine: run.Method.record() of the resuming method."""
+    before runs recorded their method is said so, and resumed. mine: runner.Method.record() of the resuming method."""
     import dataclasses
 
     theirs, fields = state.get("method"), {f.name for f in dataclasses.fields(args)}

@@ -1,4 +1,6 @@
-"""Training problems from a local file or the hub, checked row by row where they come in, the chat template's guard
+"""Training problems from a file or the hub, checked row by row, and the stream of prompts a run draws from.
+
+Training problems from a local file or the hub, checked row by row where they come in, the chat template's guard
 (one line for a template that raises or never ends), and the stream of prompts a run draws from. A reader of the
 method may skip this module: a problem is (problem text, gold answer).
 """
@@ -19,7 +21,7 @@ import time
 import numpy as np
 
 from machinery import flags
-from machinery.messages import fail, say
+from machinery.console import fail, say
 
 Prompt = collections.namedtuple("Prompt", "ids answer position")  # position: problems consumed up to this one
 

@@ -1,4 +1,6 @@
-"""DeepScaleR's answer rules, rewritten here for `eval.py --grader deepscaler`: the ReMix paper's numbers were
+"""DeepScaleR's answer rules (the grader behind the paper's numbers), for eval.py --grader deepscaler.
+
+DeepScaleR's answer rules, rewritten here for `eval.py --grader deepscaler`: the ReMix paper's numbers were
 graded with DeepScaleR's reward (deepscaler/rewards/math_reward.py and deepscaler/rewards/math_utils/utils.py of
 agentica-project/deepscaler, vendored in AnitaLeungxx/ReMix-Off-Policy-RFT), so this second checker lets those
 numbers be compared with the math-verify grade. A response is right when the last \\boxed{} of its text after

@@ -1,4 +1,6 @@
-"""Several processes (torchrun) and one: the process group, reductions, FSDP2 sharding, and the mini- and
+"""Several processes (torchrun) and one: the process group, reductions, FSDP2 sharding, mini- and micro-batches.
+
+Several processes (torchrun) and one: the process group, reductions, FSDP2 sharding, and the mini- and
 micro-batches every rank must cut alike. A reader of the method may skip this module: in one process every
 reduction is the identity and every split is the one a single process would make.
 """
@@ -49,18 +51,18 @@ def init(timeout_minutes: float = 60.0, offload: bool = False, prog: str = "remi
 def check_torch(version: str, prog: str = "remix"):
     """torch older than TORCH_RANGE is refused in one line (its FSDP2 differs where remix reaches into it); a newer one
     is warned about once, and the program goes on."""
-    from machinery import messages
+    from machinery import console
 
     release = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
     (oldest, newest), named = TORCH_RANGE, lambda r: ".".join(map(str, r))  # noqa: E731
     if release < oldest:
-        messages.fail(f"torch {version} is older than {named(oldest)}: remix runs on torch {named(oldest)} to "
-                      f"{named(newest)}, whose FSDP2 it was checked against (requirements-gpu.txt pins the GPU's, "
-                      f"requirements-cpu.txt the CPU's)", prog)
+        console.fail(f"torch {version} is older than {named(oldest)}: remix runs on torch {named(oldest)} to "
+                     f"{named(newest)}, whose FSDP2 it was checked against (requirements-gpu.txt pins the GPU's, "
+                     f"requirements-cpu.txt the CPU's)", prog)
     if release > newest and version not in _warned:
         _warned.append(version)
-        messages.say(f"warning: torch {version} is newer than {named(newest)}, the last release whose FSDP2 remix was "
-                     f"checked against (machinery/dist.py reaches into it); the run goes on", prog)
+        console.say(f"warning: torch {version} is newer than {named(newest)}, the last release whose FSDP2 remix was "
+                    f"checked against (machinery/dist.py reaches into it); the run goes on", prog)
 
 
 def launch_numbers(cuda: bool, prog: str = "remix") -> int:

@@ -1,4 +1,6 @@
-"""The flags, checked before anything is written: each numeric field's range, stated in its docstring and read from
+"""The flags, checked before anything is written: ranges, impossible combinations, the model path, the hub.
+
+The flags, checked before anything is written: each numeric field's range, stated in its docstring and read from
 there (a new flag is one edit, in its dataclass), the impossible combinations, the model path and the hub. A reader
 of the method may skip this module."""
 
@@ -15,7 +17,7 @@ import typing
 from urllib.parse import urlparse
 
 from machinery import dist
-from machinery.messages import fail
+from machinery.console import fail
 
 
 def hint(text: str):

@@ -1,9 +1,13 @@
-"""Worker processes that run a function on many items with a hard deadline per item: the grader. math-verify's
-own timeouts use SIGALRM, which works only on a process's main thread, and some answers hang inside C code
-where no signal reaches; a worker past its deadline is killed (the only way to stop such code) and replaced.
-The workers are plain subprocesses talking over pipes: nothing of the caller's __main__ is imported, so a script
-without a __main__ guard, `python -c`, `python -` and an interactive session all work. A reader of the method
-may skip this module: remix.score shows what is graded.
+"""The answer check's machinery: answers rewritten into notation math-verify reads, graded in deadline workers.
+
+It changes what the method computes: remix.parse_boxed passes every gold and predicted answer through rewrite()
+before math-verify parses it, so a rule here decides which responses earn the reward. A rule maps every way of
+writing one value onto one form math-verify reads as that value, never two values onto one; each is a small function
+with an example, applied in order. Text groups (\\text{...}, \\mathrm{...}) are left as they are, except by rules
+marked "whole". map_with_deadline runs a function on many items in worker processes, a hard deadline per item:
+math-verify's own timeouts use SIGALRM (a main thread's only) and some answers hang inside C code, so a worker past
+its deadline is killed and replaced. The workers are plain subprocesses talking over pipes: nothing of the caller's
+__main__ is imported (a script without a __main__ guard, `python -c` and an interactive session all work).
 """
 
 import atexit
@@ -14,12 +18,230 @@ import importlib.util
 import inspect
 import os
 import pickle
+import re
 import select
 import signal
 import subprocess
 import sys
 import time
 
+
+# ------------------------------------------------------------------------------------------------------------
+# whole and math: degree signs with a temperature scale. math-verify reads `1950^\circ C` as 1950*C (and `°` not
+# at all); the degree sign alone it reads as nothing, so the scale letter goes: `1950^\circ C`, `1950°C`,
+# `1950^{\circ}\mathrm{C}`, `1950\text{°C}` -> `1950^{\circ}` (read as 1950, like `41.8^\circ`). The forms with
+# a text group are rewritten first, over the whole answer; the others in math only.
+_MARK = r"(?:\^\s*(?:\{\s*\\circ\s*\}|\\circ(?![A-Za-z]))|\\degree(?![A-Za-z])|°)"
+_DEGREE_IN_TEXT = re.compile(r"\\(?:text|mathrm)\s*\{\s*(?:°|\\degree)\s*[CF]?\s*\}|"
+                             + _MARK + r"\s*(?:\\(?:text|mathrm|rm)\s*\{\s*[CF]\s*\}|\{\s*\\rm\s+[CF]\s*\})")
+_DEGREE = re.compile(_MARK + r"(?:\s*[CF](?![A-Za-z]))?")
+
+
+def _degrees_in_text(s: str) -> str:
+    return _DEGREE_IN_TEXT.sub(r"^{\\circ}", s)
+
+
+def _degrees(s: str) -> str:
+    return _DEGREE.sub(r"^{\\circ}", s)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# math: `\dfrac`, `\tfrac`, `\cfrac` are `\frac`: `\dfrac{1}{2}` -> `\frac{1}{2}`.
+_FRAC = re.compile(r"\\[dtc]frac(?![A-Za-z])")
+
+
+def _fractions(s: str) -> str:
+    return _FRAC.sub(r"\\frac", s)
+
+
+# math: spacing commands are spaces; math-verify cannot read `~` (`a~b`) and treats some of the others unlike a
+# space. `2\,\pi`, `2\;\pi`, `2~\pi`, `2\quad\pi`, `2\hspace{1em}\pi` -> `2 \pi`; the negative space `\!` goes
+# with the spaces after it, as math-verify drops it: `1\!000` -> `1000`, `11,\! 111` -> `11,111`.
+_SPACE = re.compile(r"\\(?:,|:|;|>|(?:q?quad|enspace|thinspace|medspace|thickspace)(?![A-Za-z])"
+                    r"|hspace\*?\{[^{}]*\})|(?<!\\)\\ |~(?!=)")
+_NEGATIVE_SPACE = re.compile(r"(?:\\!|\\negthinspace(?![A-Za-z]))\s*")
+
+
+def _spaces(s: str) -> str:
+    return _SPACE.sub(" ", _NEGATIVE_SPACE.sub("", s))
+
+
+# math: code notation. math-verify reads `arcsin(x)` as a*r*c*s*i*n*x and `2**3` not at all. A library prefix
+# goes, a function name before `(` becomes its command, `**` becomes `^` with its exponent braced:
+# `np.arcsin(10/13)` -> `\arcsin(10/13)`, `exp(2)` -> `\exp(2)`, `sqrt(2)` -> `\sqrt{2}`, `np.pi` -> `\pi`,
+# `x**(1/2)` -> `x^{(1/2)}`.
+_LIBRARY_CONSTANT = re.compile(r"(?<![\w.\\])(?:np|numpy|math|sympy|sp)\.(pi|e|inf)(?![A-Za-z])")
+_LIBRARY = re.compile(r"(?<![\w.\\])(?:np|numpy|math|sympy|sp)\.(?=[A-Za-z])")
+_FUNCTION = re.compile(r"(?<![\\A-Za-z])(arcsin|arccos|arctan|sinh|cosh|tanh|sin|cos|tan|cot|sec|csc|exp|ln|log)"
+                       r"(?=\s*\()")
+_SQRT_CALL = re.compile(r"(?<![A-Za-z])\\?sqrt\s*\(")
+_EXPONENT = re.compile(r"-?(?:\d+(?:\.\d+)?|[A-Za-z])")
+
+
+def _balanced(s: str, i: int) -> int:
+    """The index just past the bracket group that opens at s[i] ('(' or '{'), or -1."""
+    pairs, depth = {"(": ")", "{": "}"}, 0
+    opening, closing = s[i], pairs[s[i]]
+    for j in range(i, len(s)):
+        depth += (s[j] == opening) - (s[j] == closing)
+        if depth == 0:
+            return j + 1
+    return -1
+
+
+def _code(s: str) -> str:
+    if "." in s:
+        s = _LIBRARY_CONSTANT.sub(lambda m: {"pi": "\\pi", "e": "e", "inf": "\\infty"}[m[1]], s)
+        s = _LIBRARY.sub("", s)
+    s = _FUNCTION.sub(r"\\\1", s)
+    while m := _SQRT_CALL.search(s):  # `sqrt(2)`, `\sqrt(2)` -> `\sqrt{2}`
+        end = _balanced(s, m.end() - 1)
+        if end < 0:
+            break
+        s = s[:m.start()] + "\\sqrt{" + s[m.end():end - 1] + "}" + s[end:]
+    while (k := s.find("**")) >= 0:
+        rest = s[k + 2:].lstrip()
+        if rest[:1] == "(" and (end := _balanced(rest, 0)) > 0:
+            exponent, tail = rest[:end], rest[end:]
+        elif m := _EXPONENT.match(rest):
+            exponent, tail = m.group(), rest[m.end():]
+        else:
+            break  # `**` before something else: left for math-verify
+        s = s[:k] + "^{" + exponent + "}" + tail
+    return s
+
+
+# math: E notation. math-verify reads `1.39e9` as 1.39*e*9 (Euler's e): a number, `e` or `E`, an integer
+# exponent, nothing attached on either side -> a power of ten: `1.39e9` -> `1.39\times 10^{9}`,
+# `2.7778e-6` -> `2.7778\times 10^{-6}`. `2e^{x}` and `ce5` are left alone.
+_E_NOTATION = re.compile(r"(?<![\w\\.])(\d+\.?\d*|\.\d+)[eE]([+-]?)(\d+)(?![\w.])")
+
+
+def _e_notation(s: str) -> str:
+    return _E_NOTATION.sub(lambda m: f"{m[1]}\\times 10^{{{'-' if m[2] == '-' else ''}{m[3]}}}", s)
+
+
+# math: `x` and `×` as the times sign of scientific notation: `4.4 x 10^7`, `4.4×10^7` -> `4.4\times 10^7`.
+_TIMES = re.compile(r"(\d)\s+x\s+(?=10\^)|×")
+
+
+def _times(s: str) -> str:
+    return _TIMES.sub(lambda m: (m[1] or "") + "\\times ", s)
+
+
+# math: digit groups of a thousands separator (a space, or `\,` turned into one above). math-verify reads
+# `1 000` as 1*000 = 0: `1 000 000` -> `1000000`, `12\,345.5` -> `12345.5`. Groups after the first have three
+# digits, so `2 3` stays.
+_GROUPS = re.compile(r"(?<![\d.])\d{1,3}(?:\s+\d{3})+(?!\d)")
+
+
+def _digit_groups(s: str) -> str:
+    return _GROUPS.sub(lambda m: re.sub(r"\s+", "", m.group()), s)
+
+
+# math: a number's bare trailing point, and a full stop that ends the answer. math-verify cannot read `-3./2` or
+# `3.`, and reads `(-\infty, 0) \cup \{1\}.` as 0: `-3./2` -> `-3/2`, `1./3` -> `1/3`, `3.\,` -> `3`,
+# `\frac{1}{2}.` -> `\frac{1}{2}`. `0.\overline{3}` and `1...` keep theirs.
+_POINT = re.compile(r"(\d)\.(?![\d.]|\s*\\(?:overline|dot|bar|ldots|cdots))")
+_FULL_STOP = re.compile(r"(?<=[)\]}A-Za-z])\.\s*$")
+
+
+def _trailing_point(s: str) -> str:
+    return _FULL_STOP.sub("", _POINT.sub(r"\1", s))
+
+
+# math: primes. math-verify drops `'` (so `x'` is read as x) but reads `x^{\prime}` as a power of a symbol
+# `prime`; both become that one form, a distinct atom: `x'` -> `x^{\prime}`, `y''` and `y^{\prime \prime}` ->
+# `y^{\prime\prime}`, `f'(x)` -> `f^{\prime}(x)`, `x_1'` -> `x_1^{\prime}`. On a number a prime is a unit
+# (minutes, seconds, feet, inches) and goes, as math-verify drops other units: `0.003^{\prime \prime}` -> `0.003`,
+# `5'` -> `5`.
+_PRIME_MARKS = r"(?:'+|\^\s*\{\s*(?:\\prime\s*)+\}|\^\s*\\prime(?![A-Za-z]))"
+_NUMBER_PRIME = re.compile(r"(?<![\w.^_])(\d+(?:\.\d*)?)\s*" + _PRIME_MARKS)
+_PRIME = re.compile(r"(\\[A-Za-z]+|_[A-Za-z0-9]|[A-Za-z]|[)\]}])" + _PRIME_MARKS)
+
+
+def _primes(s: str) -> str:
+    if "'" not in s and "\\prime" not in s:
+        return s
+    s = _NUMBER_PRIME.sub(r"\1", s)
+    return _PRIME.sub(lambda m: m[1] + "^{" + "\\prime" * (m[0].count("'") or m[0].count("\\prime")) + "}", s)
+
+
+# math: a space between a number or a one-letter symbol and a following one-letter symbol goes. math-verify
+# reads the two spellings differently: a lone `i` makes it treat every symbol as complex (so `3 i` is not `3i`,
+# and `e^{i t}` is not `e^{it}`), and a one-letter word after a space at the end may be cut as a unit (`r c` is
+# read as r). `\frac{4 A}{3+3 i} e^{i t}` -> `\frac{4A}{3+3i} e^{it}`, `x-r c` -> `x-rc`. A letter that ends a
+# command (`\pi r`), words (`a or b`) and exponents written without braces (`x^2 y`) are left alone.
+_AFTER_NUMBER = re.compile(r"(?<![\w.^_\\])(\d+(?:\.\d+)?)\s+(?=[A-Za-z](?![A-Za-z]))")
+_AFTER_LETTER = re.compile(r"(?<![A-Za-z\\^_])([A-Za-z])\s+(?=[A-Za-z](?![A-Za-z]))")
+
+
+def _letter_spacing(s: str) -> str:
+    return _AFTER_LETTER.sub(r"\1", _AFTER_NUMBER.sub(r"\1", s))
+
+
+# math: forms that math-verify compares as text (it cannot parse `E_1, E_2`: `E` is Euler's e) differ in spacing
+# and braces alone: a one-character sub- or superscript is braced and a space beside a comma goes, except
+# between digits (`1, 234` is a pair, `1,234` a number): `E_1, E_2` -> `E_{1},E_{2}`, `x^2` -> `x^{2}`.
+_SCRIPT = re.compile(r"([_^])([A-Za-z0-9])(?![A-Za-z0-9])")
+_COMMA = re.compile(r"\s*,\s*")
+
+
+def _text_forms(s: str) -> str:
+    s = _SCRIPT.sub(r"\1{\2}", s)
+    return _COMMA.sub(lambda m: m[0] if _between_digits(m) else ",", s)
+
+
+def _between_digits(m: re.Match) -> bool:
+    s = m.string
+    return m.start() > 0 and s[m.start() - 1].isdigit() and m.end() < len(s) and s[m.end()].isdigit()
+
+
+# ------------------------------------------------------------------------------------------------------------
+_TEXT_GROUP = re.compile(r"\\(?:text|textrm|textbf|textit|textnormal|mathrm|mbox|operatorname)\s*\{")
+_MATH_RULES = (_degrees, _fractions, _spaces, _code, _e_notation, _times, _digit_groups, _trailing_point,
+               _primes, _letter_spacing, _text_forms)
+
+
+def _math_parts(s: str, rule) -> str:
+    """rule applied to the parts of s outside text groups."""
+    out, done = [], 0
+    for m in _TEXT_GROUP.finditer(s):
+        if m.start() < done:
+            continue  # inside a text group already kept
+        end = _balanced(s, m.end() - 1)
+        if end < 0:
+            break
+        out += [rule(s[done:m.start()]), s[m.start():end]]
+        done = end
+    return "".join(out) + rule(s[done:])
+
+
+def rewrite(expression: str) -> str:
+    """The answer in notation math-verify parses as its writer meant."""
+    s = _degrees_in_text(expression)
+    for rule in _MATH_RULES:
+        s = _math_parts(s, rule)
+    return re.sub(r"\s+", " ", s).strip()
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last balanced \\boxed{...} (or \\fbox{...}, \\framebox{...}) in text; None without one or
+    when it is unbalanced."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"), text.rfind("\\framebox{"))
+    if start < 0:
+        return None
+    depth, begin = 0, text.index("{", start) + 1
+    for i in range(begin - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker processes with a hard deadline per item
+# ----------------------------------------------------------------------------------------------
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder that holds machinery/
 
 

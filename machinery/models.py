@@ -1,14 +1,30 @@
-"""The models: loading the policy, the frozen reference and the critic (precision, sharding, no dropout), the
-output layer computed in chunks of tokens, and the collation of samples into padded micro-batches. A reader of
-the method may skip this module: remix.policy_forward shows what is computed; this holds how it fits in memory.
+"""The models: loading, precision, the chunked output layer, micro-batches, the optimizer and the update's guard.
+
+Loading the policy, the frozen reference and the critic (precision, sharding, no dropout), the output layer computed in
+chunks of tokens, and the collation of samples into padded micro-batches. The guard against non-finite updates: a
+mini-batch whose loss or gradient is not finite is skipped, and three in a row stop the run (remix.update shows where
+it acts). Older checkpoints' weights in the base model's dtype: which dtype that is, and a safetensors file written in
+it one tensor at a time (machinery.checkpoints casts an older checkpoint's fp32 weights with it when it reduces one to
+a model folder; the newest keeps the fp32 master weights, so a resume is exact).
+
+A reader of the method may skip this module: remix.policy_forward shows what is computed; this holds how it fits in
+memory.
 """
 
+import contextlib
+import functools
+import glob
+import json
+import math
 import os
+import struct
+import sys
 
 import torch
 
-from machinery import dist, flags
-from machinery.messages import fail, say
+from machinery import dist, flags, runfolder
+from machinery.console import fail, say
+
 
 # Every weight load: never code from the folder (no prompt, whatever stdin holds), never a pickle (.bin) file
 NO_CODE = {"trust_remote_code": False, "use_safetensors": True}
@@ -257,3 +273,137 @@ def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# The guard: a non-finite loss or gradient skips the update; three in a row stop the run
+# ----------------------------------------------------------------------------------------------
+_guard = {"in_a_row": 0, "out": ""}
+
+
+def reset(in_a_row: int, out: str):
+    """A run's start: the skipped updates in a row its checkpoint ended with, and the folder its line names."""
+    _guard.update(in_a_row=in_a_row, out=out)
+
+
+def in_a_row() -> int:
+    return _guard["in_a_row"]
+
+
+def finite_update(terms: dict, norms: list[float], stats: dict, step: int) -> bool:
+    """The end of a mini-batch: its logged terms summed over the ranks and kept in stats with the gradient norm,
+    if the loss and every gradient are finite. Otherwise the optimizer step is skipped (one line on stderr,
+    train/skipped_updates), and three skipped in a row stop the run."""
+    values = dist.all_reduce(torch.tensor(list(terms.values()), dtype=torch.float64))
+    if not torch.isfinite(values).all() or not all(map(math.isfinite, norms)):
+        _guard["in_a_row"] += 1
+        stats["train/skipped_updates"].append(1)
+        say(f"step {step}: non-finite loss or gradient, update skipped", stream=sys.stderr)
+        if _guard["in_a_row"] >= 3:
+            fail(f"3 non-finite updates in a row at step {step}; stopping. The last good checkpoint is the newest "
+                 f"checkpoint-* in {_guard['out']}")
+        return False
+    _guard["in_a_row"] = 0
+    for name, value in zip(terms, values.tolist()):
+        stats[name].append(value)
+    stats["losses/grad_norm"].append(norms[0])
+    stats["train/optimizer_steps"].append(1)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Older checkpoints' weights in the base model's dtype
+# ----------------------------------------------------------------------------------------------
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16"}  # the dtypes an older checkpoint is cast to
+
+
+def weights_dtype(config) -> torch.dtype:
+    """The dtype an older checkpoint's weights are kept in: the base model's, as its config states it (bf16 or fp16;
+    fp32 for anything else, or nothing stated). The newest checkpoint's are the fp32 master weights, for an exact
+    resume."""
+    dtype = getattr(config, "dtype", None)
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    return dtype if dtype in SAFETENSORS_DTYPES else torch.float32
+
+
+@functools.cache
+def base_dtype(source: str | None) -> torch.dtype:
+    """weights_dtype of the base model (a folder or a hub id), read once; fp32 where its config cannot be read."""
+    if not source:
+        return torch.float32
+    from transformers import AutoConfig
+
+    try:
+        return weights_dtype(AutoConfig.from_pretrained(source, trust_remote_code=False))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        say(f"cannot read the base model's config ({source}: {(str(error).splitlines() or [''])[0][:160]}); older "
+            f"checkpoints keep their fp32 weights")
+        return torch.float32
+
+
+def cast_folder(folder: str, dtype: torch.dtype):
+    """A model folder's fp32 weights in dtype: each safetensors file holding only fp32 tensors is written anew, cast,
+    into a new .trash-* folder beside the checkpoints, flushed to the disk and renamed over the old one, so a kill
+    leaves the fp32 file or the cast one whole (and a .trash-* folder the next save or resume deletes); then
+    config.json states the dtype. One tensor is in memory at a time. What is cast already is left alone, so a prune
+    that runs again after a kill finishes the job."""
+    from safetensors import safe_open
+
+    if dtype not in SAFETENSORS_DTYPES:
+        return
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    for path in files:
+        if dtypes_in(path) != {"F32"}:
+            continue  # cast already, or not the fp32 weights a save writes
+        trash = runfolder.fresh_folder(os.path.dirname(folder), ".trash-")
+        aside = os.path.join(trash, os.path.basename(path))
+        with safe_open(path, "pt") as weights:
+            write_cast(weights, aside, dtype)
+        runfolder.replace(aside, path)
+        runfolder.sync_folder(folder)
+        with contextlib.suppress(OSError):  # else the next save or resume deletes it (clear_leftovers)
+            runfolder.remove(trash, missing_ok=True)
+    if files and all(dtypes_in(path) == {SAFETENSORS_DTYPES[dtype]} for path in files):
+        state_dtype(os.path.join(folder, "config.json"), dtype)
+
+
+def dtypes_in(path: str) -> set[str]:
+    """The safetensors dtypes ("F32", "BF16", ...) of a file's tensors, read from its header."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as weights:
+        return {weights.get_slice(name).get_dtype() for name in weights.keys()}
+
+
+def state_dtype(config_path: str, dtype: torch.dtype):
+    """config.json says the weights' dtype (under the key it uses: dtype, or torch_dtype before transformers 5), as
+    the base model's does: a loader that takes the config's dtype (vLLM's "auto") computes in it."""
+    with open(config_path) as f:
+        config = json.load(f)
+    keys, name = [key for key in ("dtype", "torch_dtype") if key in config] or ["dtype"], str(dtype).split(".")[-1]
+    if any(config.get(key) != name for key in keys):
+        runfolder.replace_file(config_path, [json.dumps({**config, **{key: name for key in keys}}, indent=2,
+                                                        sort_keys=True) + "\n"])
+
+
+def write_cast(weights, path: str, dtype: torch.dtype):
+    """A safetensors file at path holding weights' tensors (an open safe_open of fp32 ones) cast to dtype, written
+    one tensor at a time and flushed to the disk: the format's 8-byte little-endian header length, its JSON header
+    (each tensor's dtype, shape and byte range in the data; padded with spaces to 8 bytes), then the data."""
+    names, header, offset = list(weights.keys()), {}, 0
+    for name in names:
+        shape = weights.get_slice(name).get_shape()
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    if weights.metadata():
+        header["__metadata__"] = weights.metadata()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with runfolder.open_file(path, "xb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in names:
+            tensor = weights.get_tensor(name).to(dtype).contiguous()  # one tensor at a time
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,4 +1,6 @@
-"""The plan: before anything is loaded or written, what a run will take of the machine it runs on, from the model's
+"""The plan: the disk and memory a run will take, before anything is loaded; one line if it cannot fit.
+
+The plan: before anything is loaded or written, what a run will take of the machine it runs on, from the model's
 config (built on the meta device: no weight read, no code run), the flags and the machine. The disk its checkpoints
 (at the peak of a save) and evaluations take, against the free space of each file system they go to; each rank's
 memory (GPU, or the host on a CPU), against what the device has free; the host's share (offloaded optimizer state,
@@ -15,8 +17,8 @@ import shutil
 
 import torch
 
-from machinery import dist, kvcache
-from machinery.messages import fail, say
+from machinery import dist, engines
+from machinery.console import fail, say
 
 GB = 1e9
 CLOSE = 0.9  # a need above 90% of what is there is warned about
@@ -52,7 +54,7 @@ class Shape:
 
 def shape_of(source: str) -> Shape:
     """A model folder, hub id or config.json file, built on the meta device; raises ValueError when unreadable."""
-    from machinery import safeload, weightcast
+    from machinery import models, safeload
 
     config, policy = safeload.meta_model(source)  # never code from the folder
     critic = safeload.meta_model(source, critic=True)[1]
@@ -72,7 +74,7 @@ def shape_of(source: str) -> Shape:
                  text.hidden_size, text.num_hidden_layers, text.intermediate_size, text.vocab_size,
                  getattr(text, "num_key_value_heads", heads) * head_size, layer,
                  sum(p.numel() for p in params) - layer * text.num_hidden_layers, side_files(source),
-                 weightcast.weights_dtype(config).itemsize, cache_layers=len(cache), windowed_layers=len(windows),
+                 models.weights_dtype(config).itemsize, cache_layers=len(cache), windowed_layers=len(windows),
                  window=max(windows, default=0))
 
 
@@ -217,7 +219,7 @@ def memory(shape: Shape, args, world: int, offload: bool, gpu: bool, device_byte
         parts["engine"] = b * shape.params + engines.cpu_kv_cache_gib() * 2**30
     else:  # transformers' sampler is the policy, gathered whole while it generates, and its KV cache
         parts["engine"] = b * shape.params
-    parts["generation cache"] = kvcache.sampler_cache(shape, args, world, b, lengths)
+    parts["generation cache"] = engines.sampler_cache(shape, args, world, b, lengths)
     parts["runtime"] = CUDA_RUNTIME if gpu else PROCESS_HOST
     resident = parts["weights (fp32 masters)"] + parts["AdamW moments (fp32)"] + parts["reference"] + parts["runtime"]
     awake = vllm and not (gpu and args.vllm_sleep)  # transformers' sampler gathers the policy only to generate

@@ -1,11 +1,13 @@
-"""The run folder: where it may be, its lock, refusing to clobber a run, and the only way anything is written there.
+"""The run folder: its lock, refusing to clobber a run, and the only way anything is written under --out.
+
 Every file and folder remix.py, eval.py and machinery create, append to, replace, rename, delete or lock goes through
 the primitives at the end (makedirs, open_file, new_file, replace, remove, fresh_folder, replace_file), which walk
 from --out down one component at a time with O_NOFOLLOW: a symbolic link inside --out, on the file or on any folder
 between, is never followed (Linked, one line). Nor is anything written into a file that is not the run's alone: a
 file written whole is written anew and renamed into place (a hard link's other name and a FIFO there are replaced,
 never written into), and a file appended to that is not a regular file, or has another name, is refused in one line
-(Unwritable). --out itself, and the folders above it, are the user's to name. A reader of the method may skip this
+(Unwritable). --out itself, and the folders above it, are the user's to name (machinery.paths checks where it may
+be, and that every path a job writes is free before it starts). A reader of the method may skip this
 module."""
 
 import contextlib
@@ -19,42 +21,12 @@ import socket
 import stat
 
 from machinery import dist
-from machinery.messages import fail
+from machinery.console import fail
 
 
 LOCK = ".remix.lock"  # held by the run in the folder (fcntl), released when its process ends
 RUN_FILES = ("metrics.jsonl", "completions.jsonl", "tb", "eval", "checkpoint-*", ".tmp-checkpoint-*", ".trash-*")
 WRITES = (*RUN_FILES, LOCK, "plan.json", "wandb")  # every name a run writes, replaces or deletes at --out's top
-
-
-def is_run_folder(path: str) -> bool:
-    """A folder some run wrote into (its lock, its metrics, a complete checkpoint), or a checkpoint itself."""
-    return any(os.path.isfile(os.path.join(path, name)) for name in ("metrics.jsonl", LOCK, "trainer_state.pt")) \
-        or bool(glob.glob(os.path.join(path, "checkpoint-*", "trainer_state.pt")))
-
-
-def check_out(out: str, resuming: bool, prog: str = "remix"):
-    """--out can be written, and is not inside another run's folder or checkpoint (a parent's --keep-last rotation
-    would delete a run nested there). Nothing is created here."""
-    path = os.path.abspath(out)
-    for parent in list(_parents(path))[1:]:
-        if os.path.isdir(parent) and is_run_folder(parent):
-            fail(f"--out {out} is inside the run folder {parent}: choose a folder outside it", prog)
-    existing = next(p for p in _parents(path) if os.path.exists(p))
-    if not os.path.isdir(existing):
-        fail(f"--out {out} is under {existing}, which is a file, not a folder", prog)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        fail(f"--out {out}: {existing} is not writable", prog)
-
-
-def _parents(path: str):
-    """path, then each folder above it, up to the root."""
-    while True:
-        yield path
-        parent = os.path.dirname(path)
-        if parent == path:
-            return
-        path = parent
 
 
 _locks: list = []  # (lock file, folder descriptor) pairs held: a lock lasts as long as the process, however it ends
@@ -402,10 +374,10 @@ def check_tree(folder: str, allowed: tuple = ()):
     anything inside it is a link (but the allowed names, links the library makes itself), before the library opens
     it."""
     makedirs(folder)
-    _no_links_inside(folder, allowed)
+    no_links_inside(folder, allowed)
 
 
-def _no_links_inside(folder: str, allowed: tuple = ()):
+def no_links_inside(folder: str, allowed: tuple = ()):
     for inside, folders, files in os.walk(folder):
         for name in folders + files:
             if os.path.islink(os.path.join(inside, name)) and name not in allowed:
@@ -437,47 +409,3 @@ def replace_file(path: str, lines: list[str]):
     """path's new content, lines of text, as new_file writes it."""
     with new_file(path) as f:
         f.writelines(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# Before a job writes: every path it will write is free for it
-# ----------------------------------------------------------------------------------------------
-def check_writes(out: str, planned: list[tuple], prog: str = "remix"):
-    """Before a job writes anything (a resumed run: before its step 1), each path it will write under out is free
-    for it, or one line names the first that is not. planned: (path relative to out, kind[, names a library's own
-    links may have]), kind one of "folder" (written into), "tree" (a folder a library writes into by name:
-    check_tree), "file" (written whole, aside and renamed over: a link there is replaced), "append" (appended to),
-    "replaced" (a folder renamed over whatever is there: a link or an older folder). In the way: a link on the way
-    or at a folder or appended file (Linked: never followed), a file or other non-folder where a folder goes, a
-    folder where a file is written whole, anything but a regular file where one is appended to, a link inside a
-    library's folder. Absent paths are free; nothing is created."""
-    for path, kind, *allowed in planned:
-        problem = _in_the_way(out, path, kind, *allowed)
-        if problem:
-            fail(problem, prog)
-
-
-def _in_the_way(out: str, path: str, kind: str, allowed: tuple = ()) -> str | None:
-    parts = path.split(os.sep)
-    for depth in range(1, len(parts) + 1):
-        place = os.path.join(out, *parts[:depth])
-        try:
-            mode = os.lstat(place).st_mode
-        except FileNotFoundError:
-            return None
-        last = depth == len(parts)
-        if stat.S_ISLNK(mode) and not (last and kind in ("file", "replaced")):
-            return str(Linked(place))
-        folder_there = not last or kind in ("folder", "tree", "replaced")
-        if folder_there and not stat.S_ISDIR(mode) and not stat.S_ISLNK(mode):
-            return f"{place} is a file, not a folder, and the run writes a folder there: move it away"
-        if last and kind == "file" and stat.S_ISDIR(mode):
-            return f"{place} is a folder, and the run writes a file there: move it away"
-        if last and kind == "append" and not stat.S_ISREG(mode):
-            return f"{place} is not a regular file, and the run appends to it: move it away"
-    if kind == "tree":
-        try:
-            _no_links_inside(os.path.join(out, path), allowed)
-        except Linked as linked:
-            return str(linked)
-    return None

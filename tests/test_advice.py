@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import remix  # noqa: E402
-from machinery import dist, flags, plan, run, runfolder, safeload  # noqa: E402
+from machinery import dist, flags, plan, runfolder, runner, safeload  # noqa: E402
 from tests.common import ROOT, tiny_args  # noqa: E402
 
 R1_15B = str(ROOT / "benchmarks" / "configs" / "deepseek-r1-distill-qwen-1.5b.json")
@@ -258,7 +258,7 @@ def test_a_small_run_of_a_large_vocabulary_model_fits_a_24_gb_cpu_machine(tiny_m
     monkeypatch.setattr(plan, "host_available", lambda: 24 * GB)
     args = tiny_args(str(folder), train_file, tmp_path / "run", prompts_per_step=4, group_size=4,
                      max_response_tokens=24, mini_batch_prompts=32, max_tokens_per_micro_batch=16384, steps=1)
-    session = run.Session(args, remix.METHOD)
+    session = runner.Session(args, remix.METHOD)
     try:
         kept = session.plan
         assert 130e6 < kept["shape"]["params"] < 140e6 and kept["shape"]["vocab"] == 49152

@@ -397,13 +397,13 @@ def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_n
     """The kill lands while checkpoint-1's bf16 file is half written (its fp32 file is untouched and loads), or after
     it replaced the fp32 one but before config.json says so (the bf16 file is whole): checkpoint-1 is a model folder
     either way, and the next save finishes the cast and deletes what the kill left."""
-    from machinery import weightcast
+    from machinery import models
 
     out = tmp_path / "run"
     policy, tokenizer = policy_of(tiny_bf16_model)
     save_policy(out, 1, 3, nudged(policy), tokenizer, tiny_bf16_model)
     fp32 = (out / "checkpoint-1" / "model.safetensors").read_bytes()
-    real_write = weightcast.write_cast
+    real_write = models.write_cast
 
     class KilledMidway:  # the open fp32 file, whose third tensor is never read: the process dies there
         def __init__(self, weights):
@@ -419,9 +419,9 @@ def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_n
             return self.weights.get_tensor(name)
 
     if where == "writing-the-cast-file":
-        monkeypatch.setattr(weightcast, "write_cast", lambda weights, *rest: real_write(KilledMidway(weights), *rest))
+        monkeypatch.setattr(models, "write_cast", lambda weights, *rest: real_write(KilledMidway(weights), *rest))
     else:
-        monkeypatch.setattr(weightcast, "state_dtype", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+        monkeypatch.setattr(models, "state_dtype", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         save_policy(out, 2, 3, nudged(policy), tokenizer, tiny_bf16_model)
     monkeypatch.undo()
@@ -474,7 +474,7 @@ def failing_save_main(argv: list[str]):
 
     import transformers
 
-    from machinery import dist, run
+    from machinery import dist, runner
 
     record, flags = Path(argv[1]), argv[2:]
     out = Path(flags[flags.index("--out") + 1])
@@ -495,7 +495,7 @@ def failing_save_main(argv: list[str]):
     sys.argv = [str(ROOT / "remix.py"), *flags]
     code = 0
     try:
-        run.main(lambda: remix.train(run.cli(remix.Args)))
+        runner.main(lambda: remix.train(runner.cli(remix.Args)))
     except SystemExit as stop:
         code = stop.code
     (record / f"exit-rank{dist.rank()}.json").write_text(json.dumps({"at": time.time(), "code": code}))

@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from machinery import data, run  # noqa: E402
+from machinery import data, runner  # noqa: E402
 from tests.common import BENCH, ROOT, one_error_line, run_remix, tiny_args, tiny_cli  # noqa: E402
 
 
@@ -102,7 +102,7 @@ def test_curves_refuse_an_out_that_is_a_file_and_drop_a_last_line_cut_short(tmp_
 def test_no_text_over_the_character_bound_tokenizes_into_that_many_tokens(tiny_model):
     """The bound's premise, against the real tokenizer: the text that packs the most characters into each token
     (its longest vocabulary entry, repeated) still needs more than `tokens` tokens once it is past the bound."""
-    tokenizer = run.load_tokenizer(tiny_model)
+    tokenizer = runner.load_tokenizer(tiny_model)
     longest = max(tokenizer.get_vocab(), key=len)
     text = tokenizer.convert_tokens_to_string([longest]) * 40
     bound = data.char_bound(tokenizer, 16)
@@ -113,7 +113,7 @@ def test_no_text_over_the_character_bound_tokenizes_into_that_many_tokens(tiny_m
 
 
 def test_a_problem_of_megabytes_is_skipped_without_being_rendered(tiny_model, monkeypatch):
-    tokenizer = run.load_tokenizer(tiny_model)
+    tokenizer = runner.load_tokenizer(tiny_model)
     rendered = []
 
     def encode(problem):

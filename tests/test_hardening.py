@@ -264,14 +264,14 @@ def test_the_temperature_floor_keeps_the_log_probs_finite(dtype):
 def test_a_misspelled_flag_is_one_line_naming_the_closest_one(cls, argv, line, monkeypatch, capsys):
     """Issue 43: tyro's box of ten lines for a flag it does not know is one line: the flag, the closest valid one (a
     switch's --no- form too), --help; exit 2. A command line without one parses as before."""
-    from machinery import run
+    from machinery import runner
 
     target = remix.Args if cls == "remix" else eval_cli.EvalArgs
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exit_info:
-        run.cli(target, cls)
+        runner.cli(target, cls)
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"{cls}: error: {line}"]
-    parsed = run.cli(remix.Args, "remix", ["--temperature", "0.5", "--no-kl-convex", "--eval_every", "3"])
+    parsed = runner.cli(remix.Args, "remix", ["--temperature", "0.5", "--no-kl-convex", "--eval_every", "3"])
     assert (parsed.temperature, parsed.kl_convex, parsed.eval_every) == (0.5, False, 3)
 
 
@@ -659,23 +659,23 @@ def test_sigterm_and_sighup_end_a_run_with_one_line(signum, code, name, tiny_mod
 # Output nobody reads: a closed stdout or stderr, a reader gone
 # ----------------------------------------------------------------------------------------------
 def test_output_whose_reader_is_gone_is_dropped_and_the_program_goes_on():
-    """startup.Dropping over a pipe whose reader has gone: the write that fails (EPIPE) and every later one, a
-    message (messages.say), a progress meter's lines, are dropped without an exception; the descriptor then points at
+    """console.Dropping over a pipe whose reader has gone: the write that fails (EPIPE) and every later one, a
+    message (console.say), a progress meter's lines, are dropped without an exception; the descriptor then points at
     /dev/null, which the workers a program starts later inherit."""
-    from machinery import messages, progress, startup
+    from machinery import console
 
     read, write = os.pipe()
-    stream = startup.Dropping(os.fdopen(write, "w"))
+    stream = console.Dropping(os.fdopen(write, "w"))
     stream.write("first\n")
     stream.flush()
     assert os.read(read, 100) == b"first\n"
     os.close(read)
     stream.write("x" * 200_000)  # past the buffer: written at once, and refused
     stream.flush()
-    meter = progress.Meter("greedy aime24", 10, prog="eval", stream=stream, tty=False)
+    meter = console.Meter("greedy aime24", 10, prog="eval", stream=stream, tty=False)
     meter.advance(5)
     meter.finish()
-    messages.say("still here", "eval", stream)
+    console.say("still here", "eval", stream)
     assert os.path.samefile(f"/proc/self/fd/{stream.fileno()}", os.devnull)
     stream.close()
 

@@ -39,10 +39,10 @@ ALLOWED = {
     ("machinery/checkpoints.py", "write_rank_files", "torch.save"),  # into a file runfolder.open_file opened (twice)
     ("machinery/logs.py", "__init__", "SummaryWriter"),  # OUT/tb, made and checked for links by check_tree first
     ("machinery/logs.py", "__init__", "wandb.init"),  # wandb.init(dir=OUT): OUT/wandb checked by check_tree first
-    ("machinery/curves.py", "save", "fig.savefig"),  # into a file object runfolder.new_file opened
-    ("machinery/startup.py", "drop", "os.open"),  # /dev/null, onto stdout or stderr once it cannot be written
-    ("machinery/startup.py", "drop_unwritable_output", "os.open"),  # /dev/null, onto a standard descriptor closed
-    ("machinery/startup.py", "drop_unwritable_output", "open"),  # descriptor 1 or 2 as a stream, when Python made none
+    ("machinery/logs.py", "save", "fig.savefig"),  # into a file object runfolder.new_file opened
+    ("machinery/console.py", "drop", "os.open"),  # /dev/null, onto stdout or stderr once it cannot be written
+    ("machinery/console.py", "drop_unwritable_output", "os.open"),  # /dev/null, onto a standard descriptor closed
+    ("machinery/console.py", "drop_unwritable_output", "open"),  # descriptor 1 or 2 as a stream, when Python made none
 }
 PROGRAMS = ["remix.py", "eval.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "machinery").glob("*.py"))]
 

@@ -23,7 +23,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
-from machinery import checkpoints, models, runfolder, safeload  # noqa: E402
+from machinery import checkpoints, models, paths, runfolder, safeload  # noqa: E402
 from tests.common import ROOT, one_error_line, read_metrics, refused_in_one_line, run_remix, tiny_cli  # noqa: E402
 
 
@@ -294,7 +294,7 @@ def test_a_vocabulary_padded_past_the_tokenizer_loads(tiny_model, tmp_path):
     """Fewer tokens than embedding rows, as Qwen pads its vocabulary to a multiple of 64: accepted."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from machinery import run
+    from machinery import runner
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -303,7 +303,7 @@ def test_a_vocabulary_padded_past_the_tokenizer_loads(tiny_model, tmp_path):
     Qwen2ForCausalLM(config).save_pretrained(model)
     params, vocab = safeload.check_model_folder(str(model))
     assert vocab == 320 and params["model.embed_tokens.weight"] == (320, 128)
-    assert len(run.load_tokenizer(str(model))) == 259
+    assert len(runner.load_tokenizer(str(model))) == 259
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,7 +462,7 @@ def test_the_dataset_is_read_once_and_its_digest_is_of_the_bytes_parsed(tiny_mod
     import builtins
     import hashlib
 
-    from machinery import run
+    from machinery import runner
     from tests.common import tiny_args
 
     opened, real_open = [], builtins.open
@@ -474,7 +474,7 @@ def test_the_dataset_is_read_once_and_its_digest_is_of_the_bytes_parsed(tiny_mod
 
     monkeypatch.setattr(builtins, "open", spy)
     try:
-        session = run.Session(tiny_args(tiny_model, train_file, tmp_path / "out"), remix.METHOD)
+        session = runner.Session(tiny_args(tiny_model, train_file, tmp_path / "out"), remix.METHOD)
     finally:
         runfolder.unlock()
     assert len(opened) == 1, opened
@@ -505,7 +505,7 @@ def test_a_moved_model_with_other_weights_is_refused_on_resume_naming_the_file(r
 def test_the_base_model_is_checked_by_its_recorded_digests_moved_or_in_place(recorded, tmp_path, capsys):
     """The same weights moved pass (hashed, since they moved); weights changed in place are refused; a file touched
     but not changed passes (hashed again, since its time changed)."""
-    from machinery import inputs
+    from machinery import paths
 
     out = copy_of(recorded.out, tmp_path)
     state = safeload.read_pt(str(out / "checkpoint-1" / "trainer_state.pt"))
@@ -514,10 +514,10 @@ def test_the_base_model_is_checked_by_its_recorded_digests_moved_or_in_place(rec
     moved = tmp_path / "moved"
     shutil.copytree(recorded.base, moved)
     args = remix.Args(**{**state["args"], "model": str(moved), "resume": str(out)})
-    inputs.check_resumed(args, state["args"], state["inputs"], str(out / "checkpoint-1"))  # no SystemExit
+    paths.check_resumed(args, state["args"], state["inputs"], str(out / "checkpoint-1"))  # no SystemExit
     weights_file = recorded.base / "model.safetensors"
     os.utime(weights_file)
-    assert inputs.model_changed(str(recorded.base), weights) is None
+    assert paths.model_changed(str(recorded.base), weights) is None
     with edited(weights_file, lambda raw: raw[:-4] + bytes(4)):  # the last weight's last value zeroed
         resume_refused(capsys, out, f"the run's model {recorded.base} is not what the run began with (its "
                                     f"model.safetensors differs (another SHA-256))", steps=2)
@@ -548,23 +548,23 @@ def test_a_hub_model_is_recorded_by_its_cached_revision_and_blob_digests(tiny_mo
 
     import huggingface_hub.constants
 
-    from machinery import inputs
+    from machinery import paths
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     first, second = "a" * 40, "b" * 40
     fake_hub_model(tmp_path / "hub", "org/tiny", Path(tiny_model), first)
-    monkeypatch.setattr(inputs, "file_digest", lambda path: pytest.fail(f"{path} hashed"))
-    weights = inputs.model_record("org/tiny")
+    monkeypatch.setattr(paths, "file_digest", lambda path: pytest.fail(f"{path} hashed"))
+    weights = paths.model_record("org/tiny")
     digest = hashlib.sha256((Path(tiny_model) / "model.safetensors").read_bytes()).hexdigest()
     assert weights == {"revision": first, "files": {"model.safetensors": {
         "sha256": digest, "size": (Path(tiny_model) / "model.safetensors").stat().st_size, "mtime_ns": None}}}
-    assert inputs.model_changed("org/tiny", weights) is None
+    assert paths.model_changed("org/tiny", weights) is None
     fake_hub_model(tmp_path / "hub", "org/tiny", with_weight_changed(Path(tiny_model), tmp_path / "newer"), second)
-    assert inputs.model_changed("org/tiny", weights) == \
+    assert paths.model_changed("org/tiny", weights) == \
         f"the local cache holds its revision {second[:12]}, the run began on {first[:12]}"
     monkeypatch.undo()
-    assert inputs.weights_differ(tiny_model, weights, moved=True) is None  # the same weights, moved to a folder
-    assert inputs.weights_differ(str(tmp_path / "newer"), weights, moved=True) == \
+    assert paths.weights_differ(tiny_model, weights, moved=True) is None  # the same weights, moved to a folder
+    assert paths.weights_differ(str(tmp_path / "newer"), weights, moved=True) == \
         "its model.safetensors differs (another SHA-256)"
 
 

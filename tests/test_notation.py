@@ -1,4 +1,4 @@
-"""machinery.notation.rewrite and the answer check it feeds (remix.grade_response): hand-worked cases for each
+"""machinery.grader.rewrite and the answer check it feeds (remix.grade_response): hand-worked cases for each
 notation, right answers that must grade right and near misses that must grade wrong, and one test over the
 benchmarks' human-written solutions (benchmarks/solution_grading.py) that pins the measured shares, the
 solutions that still grade wrong (with the reason for each), and the false passes on wrong pairs."""
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import remix
-from machinery.notation import rewrite
+from machinery.grader import rewrite
 
 ROOT = Path(__file__).resolve().parent.parent
 

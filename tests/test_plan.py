@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import remix  # noqa: E402
-from machinery import plan, run, runfolder, safeload  # noqa: E402
+from machinery import plan, runfolder, runner, safeload  # noqa: E402
 from tests.common import ROOT, full_state, read_metrics, tiny_args  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
@@ -172,7 +172,7 @@ def test_a_close_run_is_warned_about_and_goes_on_and_its_plan_is_kept(tiny_model
     args = remix.finalize_args(tiny_args(tiny_model, train_file, out, algo="grpo", group_size=2))
     need = plan.disk(plan.shape_of(tiny_model), args, 1)["peak"]
     monkeypatch.setattr(plan, "free_bytes", lambda path: need / 0.95)
-    session = run.Session(args, remix.METHOD)
+    session = runner.Session(args, remix.METHOD)
     try:
         printed = capsys.readouterr().out
         assert "remix: warning: disk is close" in printed and "(95%)" in printed, printed
@@ -327,7 +327,7 @@ def test_the_kv_cache_the_plan_counts_is_a_real_generates(kind, tiny_model, tmp_
     that cat."""
     from transformers import AutoModelForCausalLM
 
-    from machinery import kvcache, models
+    from machinery import engines, models
 
     source = sliding_model(tmp_path / "sliding") if kind == "sliding" else tiny_model
     shape = plan.shape_of(source)
@@ -346,7 +346,7 @@ def test_the_kv_cache_the_plan_counts_is_a_real_generates(kind, tiny_model, tmp_
     rows, positions = len(prompts) * n, 7 + new - 1
     assert out.sequences.shape == (rows, positions + 1) and all(layer.keys.dtype == model.dtype for layer in layers)
     position = 2 * shape.kv * b * rows  # one position of one layer, keys and values
-    assert kvcache.hf_cache(shape, rows, positions, b) == measured + position * positions + \
+    assert engines.hf_cache(shape, rows, positions, b) == measured + position * positions + \
         shape.windowed_layers * position
 
 
@@ -358,7 +358,7 @@ def test_the_plan_counts_the_batches_a_run_uses(tiny_model, train_file, tmp_path
     16,384-token flag (issue 43's bound)."""
     from transformers import GenerationMixin
 
-    from machinery import data, dist, kvcache
+    from machinery import data, dist, engines
 
     calls, micro, generate, cut = [], [], GenerationMixin.generate, dist.micro_batches
 
@@ -384,10 +384,10 @@ def test_the_plan_counts_the_batches_a_run_uses(tiny_model, train_file, tmp_path
     shape, finalized = plan.shape_of(tiny_model), remix.finalize_args(args)
     session = json.loads((tmp_path / "run" / "plan.json").read_text())
     lengths = plan.Lengths(eval_prompt=session["lengths"]["eval_prompt"], eval_problems=2)
-    assert kvcache.sampler_cache(shape, finalized, 1, 4, lengths) == max(
-        kvcache.hf_generation(shape, 6, args.max_prompt_tokens, 24, 4),
-        kvcache.hf_generation(shape, 2, lengths.eval_prompt, 8, 4))
-    tokenizer = run.load_tokenizer(tiny_model)
+    assert engines.sampler_cache(shape, finalized, 1, 4, lengths) == max(
+        engines.hf_generation(shape, 6, args.max_prompt_tokens, 24, 4),
+        engines.hf_generation(shape, 2, lengths.eval_prompt, 8, 4))
+    tokenizer = runner.load_tokenizer(tiny_model)
     problems = [(json.loads(line)["problem"], "") for line in open(train_file)]
     longest = data.longest_prompt(problems, lambda p: remix.build_prompt(tokenizer, p), args.max_prompt_tokens)
     tokens, width = plan.micro_batch(finalized, 1, longest)

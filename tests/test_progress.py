@@ -1,4 +1,4 @@
-"""Progress on the long waits (machinery.progress): the lines a log file gets (how often, and their numbers: done of
+"""Progress on the long waits (machinery.console): the lines a log file gets (how often, and their numbers: done of
 total, tokens per second, a time left from the measured rate), a terminal's redrawn line, vLLM's bar adapter, and
 the line of each training step. A fake clock stands in for time: no assert depends on how fast anything runs.
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from machinery import progress  # noqa: E402
+from machinery import console  # noqa: E402
 
 
 class Clock:
@@ -25,7 +25,7 @@ class Clock:
 
 def meter(total: int, tty: bool = False, **kwargs):
     clock, stream = Clock(), io.StringIO()
-    return progress.Meter("evaluation at step 25", total, stream=stream, clock=clock, tty=tty, **kwargs), clock, stream
+    return console.Meter("evaluation at step 25", total, stream=stream, clock=clock, tty=tty, **kwargs), clock, stream
 
 
 def lines(stream) -> list[str]:
@@ -33,7 +33,7 @@ def lines(stream) -> list[str]:
 
 
 def test_durations_read_as_hours_minutes_seconds():
-    assert [progress.duration(s) for s in (0, 7.4, 59.6, 190, 3600, 3725, 90061)] == \
+    assert [console.duration(s) for s in (0, 7.4, 59.6, 190, 3600, 3725, 90061)] == \
         ["0s", "7s", "1m00s", "3m10s", "1h00m", "1h02m", "25h01m"]
 
 
@@ -94,8 +94,8 @@ def test_a_terminal_redraws_one_line_and_ends_it():
 def test_vllms_bar_is_scaled_onto_the_problems_and_reads_its_speed():
     m, clock, stream = meter(50)
     prompts = [[1, 2], [3]]
-    assert progress.EngineBar(m)(prompts, desc="Rendering prompts") is prompts  # vLLM's first call: passed through
-    bar = progress.EngineBar(m)(total=100, desc="Processed prompts", dynamic_ncols=True, postfix="")  # n = 2
+    assert console.EngineBar(m)(prompts, desc="Rendering prompts") is prompts  # vLLM's first call: passed through
+    bar = console.EngineBar(m)(total=100, desc="Processed prompts", dynamic_ncols=True, postfix="")  # n = 2
     for _ in range(10):  # vLLM counts each finished request's 2 responses
         clock.now += 1.0
         bar.postfix = "est. speed input: 812.00 toks/s, output: 1234.56 toks/s"
@@ -119,10 +119,10 @@ def test_only_the_first_process_prints(monkeypatch):
 
 def test_a_steps_line_names_each_phase_and_the_time_left_to_steps():
     # resumed after step 10: 2 steps here in 20 s -> 10 s a step, 338 to go -> 3380 s
-    line = progress.step_line(12, 350, {"gen": 1.234, "trainer": 6.5, "weight_sync": 0.25}, 8.1, 0.4567, 2, 20.0)
+    line = console.step_line(12, 350, {"gen": 1.234, "trainer": 6.5, "weight_sync": 0.25}, 8.1, 0.4567, 2, 20.0)
     assert line == ("step 12/350: gen 1.2s, trainer 6.5s, weight_sync 0.2s, eval 0.0s; step 8.1s; reward 0.457; "
                     "56m20s left")
-    assert progress.step_line(350, 350, {}, 1.0, 0.0, 5, 50.0).endswith("0s left")
+    assert console.step_line(350, 350, {}, 1.0, 0.0, 5, 50.0).endswith("0s left")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a script, under torchrun
 
 import remix  # noqa: E402
-from machinery import checkpoints, data, dist, engines, evaluation, grader, models, run, signals  # noqa: E402
+from machinery import checkpoints, console, data, dist, engines, evaluation, grader, models, runner  # noqa: E402
 from test_remix import prepared_update_case, run_update  # noqa: E402
 from tests.common import DATA, ROOT, full_state, read_metrics, tiny_args, wait_into_step_3  # noqa: E402
 
@@ -243,7 +243,7 @@ def test_a_model_folder_without_a_model_and_a_missing_vllm_get_one_line(tmp_path
     dist.init()
     one_line_exit(capsys, lambda: models.load(remix.finalize_args(remix.Args(model=str(tmp_path)))),
                   f"cannot load model {str(tmp_path)!r}")
-    one_line_exit(capsys, lambda: run.load_tokenizer(str(tmp_path)), f"cannot load model {str(tmp_path)!r}")
+    one_line_exit(capsys, lambda: runner.load_tokenizer(str(tmp_path)), f"cannot load model {str(tmp_path)!r}")
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
     one_line_exit(capsys, lambda: engines.start(remix.finalize_args(remix.Args())), "vLLM is not installed")
 
@@ -251,11 +251,11 @@ def test_a_model_folder_without_a_model_and_a_missing_vllm_get_one_line(tmp_path
 def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
     """Python drops an exception raised in a __del__ and reports it to sys.unraisablehook: the hook stays quiet
     about the interrupt, the flag remembers it, and the loop's next check raises it."""
-    monkeypatch.setattr(signals, "_interrupt", {"seen": None})
+    monkeypatch.setattr(console, "_interrupt", {"seen": None})
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        signals.catch_interrupts()
+        console.catch_interrupts()
         reported = []
         sys.unraisablehook.__defaults__ = (lambda report: reported.append(report),)
 
@@ -264,9 +264,9 @@ def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
                 signal.raise_signal(signal.SIGINT)
 
         Finaliser()  # the SIGINT lands in __del__: its KeyboardInterrupt is dropped
-        assert signals.interrupted() and reported == []
+        assert console.interrupted() and reported == []
         with pytest.raises(KeyboardInterrupt):
-            signals.check_interrupted()
+            console.check_interrupted()
         sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("other")))
         assert len(reported) == 1  # anything else still goes to the default hook
     finally:
@@ -690,7 +690,7 @@ def test_ctrl_c_ends_the_run_with_one_line(tiny_model, train_file, tmp_path, del
 @pytest.mark.slow
 def test_a_vllm_run_is_quiet_and_its_step_lines_are_in_step(tiny_model, train_file, tmp_path):
     """A vLLM run's stderr holds nothing but torch's one NUMA line; stdout has one line per step, in order, each
-    showing its own step's reward (progress.step_line), never a step behind."""
+    showing its own step's reward (console.step_line), never a step behind."""
     out = tmp_path / "run"
     done = run_remix("--model", tiny_model, "--dataset", train_file, "--out", str(out), "--algo", "ppo", "--steps", "3",
                      "--prompts-per-step", "10", "--max-response-tokens", "16", "--reincarnate-step", "2",
@@ -868,16 +868,16 @@ def test_every_collective_waits_at_most_the_dist_timeout(tmp_path):
 
 
 def test_a_refusal_on_a_rank_other_than_0_is_said_by_that_rank(monkeypatch, capsys):
-    """messages.fail on rank 1 (its own checkpoint shard, its own GPU): its line, naming the rank, after the wait that
+    """console.fail on rank 1 (its own checkpoint shard, its own GPU): its line, naming the rank, after the wait that
     lets a rank 0 refusing the same input end the job first; on rank 0 the plain line at once."""
-    from machinery import messages
+    from machinery import console
 
-    monkeypatch.setattr(messages, "OTHER_RANK_WAIT", 0.3, raising=False)
+    monkeypatch.setattr(console, "OTHER_RANK_WAIT", 0.3, raising=False)
     for rank, line in ((1, "eval: error: rank 1: its shard is damaged"), (0, "eval: error: its shard is damaged")):
         monkeypatch.setattr(dist, "rank", lambda: rank)
         start = time.monotonic()
         with pytest.raises(SystemExit) as exit_info:
-            messages.fail("its shard is damaged", "eval")
+            console.fail("its shard is damaged", "eval")
         waited = time.monotonic() - start
         assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines() == [line]
         assert (waited >= 0.3) == (rank == 1)
@@ -889,13 +889,13 @@ sys.path.insert(0, sys.argv[1])
 from machinery import dist, messages, run, signals
 
 def program():  # as remix.py and eval.py run, checking an input once the process group is there
-    signals.catch_interrupts()
+    console.catch_interrupts()
     dist.init()
     if dist.rank() == 1 or sys.argv[2] == "every-rank":
-        messages.fail(f"planted on rank {dist.rank()}")
+        console.fail(f"planted on rank {dist.rank()}")
     dist.barrier()
 
-run.main(program)
+runner.main(program)
 """
 
 
@@ -1110,7 +1110,7 @@ from pathlib import Path
 spec = importlib.util.spec_from_file_location("gpu_check", Path(sys.argv[1]) / "benchmarks" / "gpu_check.py")
 check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check)
-from machinery.messages import fail
+from machinery.console import fail
 
 def planted_fp32():
     fail("planted in the fp32 part")

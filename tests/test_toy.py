@@ -264,7 +264,7 @@ def test_a_methods_runs_are_named_by_its_code_its_flags_the_machinery_and_the_ba
                                              str(cache))
     arm = named(code, {})
     assert arm.label.startswith("m-") and len(arm.label) == 10 and named(code, {}).label == arm.label
-    assert (arm.project / "remix.py").read_bytes() == code and (arm.project / "machinery" / "run.py").exists()
+    assert (arm.project / "remix.py").read_bytes() == code and (arm.project / "machinery" / "runner.py").exists()
     assert named(code, {"extra_entropy": 0.3}).label != arm.label != named(code + b"\n", {}).label
     (cache / "meta.json").write_text('{"version": [5, 300, 200]}')
     assert named(code, {}).label != arm.label
@@ -348,7 +348,7 @@ def test_a_broken_method_file_is_one_line_naming_its_line_before_anything_is_bui
 
     fork = fork_with_a_flag(tmp_path)
     lines = fork.read_text().splitlines(keepends=True)
-    at = next(i for i, line in enumerate(lines) if line.startswith("METHOD = run.Method("))
+    at = next(i for i, line in enumerate(lines) if line.startswith("METHOD = runner.Method("))
     (tmp_path / "raises.py").write_text("".join(lines[:at] + ["STEPS = {}['steps']\n"] + lines[at:]))
     (tmp_path / "syntax.py").write_text("import math\n\ndef train(args:\n    pass\n")
     (tmp_path / "other.py").write_text("def train(args):\n    return {}\n")

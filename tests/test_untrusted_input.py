@@ -304,7 +304,7 @@ def test_an_outer_timer_survives_the_template_guard(tiny_model, tmp_path):
     render (a template that never ends) fires there, and what its handler raises comes out as it is, not as the
     template's failure; the guard leaves no timer and no handler of its own behind."""
     from machinery import data
-    from machinery.run import load_tokenizer
+    from machinery.runner import load_tokenizer
     import remix
 
     fired = []

@@ -1015,12 +1015,12 @@ def check_method(cli: ToyArgs):
         raise
     except BaseException as error:  # a SystemExit at import, too
         refuse(import_failure(error, copy, source))
-    from machinery import flags, run as session
+    from machinery import flags, runner as session
 
     lacking = [name for name in ("Args", "train", "build_prompt", "METHOD") if not hasattr(remix, name)]
     if lacking or not dataclasses.is_dataclass(remix.Args) or not isinstance(remix.METHOD, session.Method):
         refuse(f"{source} is not a fork of remix.py: " + (f"it has no {', '.join(lacking)}" if lacking else
-               "its Args is not a dataclass or its METHOD not a run.Method") +
+               "its Args is not a dataclass or its METHOD not a runner.Method") +
                " (the toy calls its Args, train, build_prompt and METHOD)")
     method_flags = parse_method_args(remix.Args, cli.method_args, source)
     for config in cli.configs:
@@ -1496,6 +1496,6 @@ def joined_method_args(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from machinery import run as program  # not "run": the toy's own run() is a global of this module
+    from machinery import runner as program  # not "run": the toy's own run() is a global of this module
 
     main(program.cli(ToyArgs, "toy", joined_method_args(sys.argv[1:])))

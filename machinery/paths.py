@@ -1,9 +1,13 @@
-"""What a run reads from outside --out and a resume reads again: the base model (the reference before
-reincarnation, and vLLM's start), the dataset and the benchmark files. A run records what names each at its start
-(the dataset's and benchmark files' SHA-256 of the bytes it parsed, a hub dataset's revision, the base model's
-weight digests) with every checkpoint; a resume checks each against it, in its old place or, where one has moved,
-in the new place --model, --dataset or --eval-data-dir gives (a place that is gone is named with that fix). Nothing
-a run reads may lie where it writes under --out. A reader of the method may skip this module."""
+"""A run's paths, checked before it writes: what it reads from outside --out, and where it writes under it.
+
+What a run reads from outside --out and a resume reads again: the base model (the reference before reincarnation, and
+vLLM's start), the dataset and the benchmark files. A run records what names each at its start (the dataset's and
+benchmark files' SHA-256 of the bytes it parsed, a hub dataset's revision, the base model's weight digests) with every
+checkpoint; a resume checks each against it, in its old place or, where one has moved, in the new place --model,
+--dataset or --eval-data-dir gives (a place that is gone is named with that fix). Nothing a run reads may lie where
+it writes under --out. Where it writes: --out is not inside another run's folder, and each path a job will write is
+free for it before it writes anything (machinery.runfolder writes them). A reader of the method may skip this module.
+"""
 
 import fnmatch
 import glob
@@ -11,9 +15,11 @@ import hashlib
 import json
 import os
 import re
+import stat
 
-from machinery import data, dist, flags, safeload
-from machinery.messages import fail, say
+from machinery import data, dist, flags, runfolder, safeload
+from machinery.console import fail, say
+
 
 MOVABLE = {"model": "--model", "dataset": "--dataset", "eval_data_dir": "--eval-data-dir"}
 VOLATILE = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")  # a save may change them
@@ -301,3 +307,78 @@ def check_kept(args, names: tuple):
                else "choose another --out")
         fail(f"{flag} {value} is read from {entry}, inside --out {args.out}, where this run writes and deletes "
              f"(--overwrite, a checkpoint's rotation): nothing a run reads is deleted by it; {way}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Where a run writes: --out's place, and every path free before the first write
+# ----------------------------------------------------------------------------------------------
+def is_run_folder(path: str) -> bool:
+    """A folder some run wrote into (its lock, its metrics, a complete checkpoint), or a checkpoint itself."""
+    names = ("metrics.jsonl", runfolder.LOCK, "trainer_state.pt")
+    return any(os.path.isfile(os.path.join(path, name)) for name in names) \
+        or bool(glob.glob(os.path.join(path, "checkpoint-*", "trainer_state.pt")))
+
+
+def check_out(out: str, resuming: bool, prog: str = "remix"):
+    """--out can be written, and is not inside another run's folder or checkpoint (a parent's --keep-last rotation
+    would delete a run nested there). Nothing is created here."""
+    path = os.path.abspath(out)
+    for parent in list(_parents(path))[1:]:
+        if os.path.isdir(parent) and is_run_folder(parent):
+            fail(f"--out {out} is inside the run folder {parent}: choose a folder outside it", prog)
+    existing = next(p for p in _parents(path) if os.path.exists(p))
+    if not os.path.isdir(existing):
+        fail(f"--out {out} is under {existing}, which is a file, not a folder", prog)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--out {out}: {existing} is not writable", prog)
+
+
+def _parents(path: str):
+    """path, then each folder above it, up to the root."""
+    while True:
+        yield path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+def check_writes(out: str, planned: list[tuple], prog: str = "remix"):
+    """Before a job writes anything (a resumed run: before its step 1), each path it will write under out is free
+    for it, or one line names the first that is not. planned: (path relative to out, kind[, names a library's own
+    links may have]), kind one of "folder" (written into), "tree" (a folder a library writes into by name:
+    check_tree), "file" (written whole, aside and renamed over: a link there is replaced), "append" (appended to),
+    "replaced" (a folder renamed over whatever is there: a link or an older folder). In the way: a link on the way
+    or at a folder or appended file (Linked: never followed), a file or other non-folder where a folder goes, a
+    folder where a file is written whole, anything but a regular file where one is appended to, a link inside a
+    library's folder. Absent paths are free; nothing is created."""
+    for path, kind, *allowed in planned:
+        problem = _in_the_way(out, path, kind, *allowed)
+        if problem:
+            fail(problem, prog)
+
+
+def _in_the_way(out: str, path: str, kind: str, allowed: tuple = ()) -> str | None:
+    parts = path.split(os.sep)
+    for depth in range(1, len(parts) + 1):
+        place = os.path.join(out, *parts[:depth])
+        try:
+            mode = os.lstat(place).st_mode
+        except FileNotFoundError:
+            return None
+        last = depth == len(parts)
+        if stat.S_ISLNK(mode) and not (last and kind in ("file", "replaced")):
+            return str(runfolder.Linked(place))
+        folder_there = not last or kind in ("folder", "tree", "replaced")
+        if folder_there and not stat.S_ISDIR(mode) and not stat.S_ISLNK(mode):
+            return f"{place} is a file, not a folder, and the run writes a folder there: move it away"
+        if last and kind == "file" and stat.S_ISDIR(mode):
+            return f"{place} is a folder, and the run writes a file there: move it away"
+        if last and kind == "append" and not stat.S_ISREG(mode):
+            return f"{place} is not a regular file, and the run appends to it: move it away"
+    if kind == "tree":
+        try:
+            runfolder.no_links_inside(os.path.join(out, path), allowed)
+        except runfolder.Linked as linked:
+            return str(linked)
+    return None

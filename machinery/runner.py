@@ -1,5 +1,6 @@
-"""The run: a program's entry (main, cli) and the Session that ties the flags, the run folder, the logs, the
-metrics and the checkpoints to remix.train(). A reader of the method may skip this module: it decides nothing about
+"""A program's entry (main, cli) and the Session that ties a run's parts to remix.train().
+
+The Session ties the flags, the run folder, the logs, the metrics and the checkpoints to remix.train(). A reader of the method may skip this module: it decides nothing about
 what is computed, and takes what it needs of the method from the method's own contract."""
 
 import dataclasses
@@ -14,8 +15,8 @@ import typing
 import numpy as np
 import torch
 
-from machinery import dist, flags, guard, logs, plan, runfolder, signals, startup
-from machinery.messages import fail, say
+from machinery import console, dist, flags, logs, models, paths, plan, runfolder
+from machinery.console import fail, say
 
 
 def cli(cls, prog: str = "remix", argv: list[str] | None = None):
@@ -63,14 +64,14 @@ def main(program, prog: str = "remix"):
         grader.close_pool()
         fail(str(refused), prog)
     except BaseException as interrupt:  # what breaks after a signal (code that wraps it in its own error) is the signal
-        if not signals.from_signal(interrupt):
+        if not console.from_signal(interrupt):
             raise
         grader.close_pool()
-        signum = signals.seen() or signal.SIGINT
+        signum = console.seen() or signal.SIGINT
         if dist.rank() == 0:
-            line = getattr(interrupt, "line", None) or signals.starting_line(signum)
+            line = getattr(interrupt, "line", None) or console.starting_line(signum)
             print(f"\n{prog}: {line}", file=sys.stderr, flush=True)
-        os._exit(startup.EXIT_CODES[signum])
+        os._exit(console.EXIT_CODES[signum])
     grader.close_pool()
     dist.finish(result.get("llm") if isinstance(result, dict) else None)
 
@@ -111,9 +112,9 @@ class Session:
     end_step() logs, evaluates and saves."""
 
     def __init__(self, args, method: Method):
-        from machinery import checkpoints, data, evaluation, inputs, models, safeload
+        from machinery import checkpoints, data, evaluation, models, paths, safeload
 
-        signals.catch_interrupts()
+        console.catch_interrupts()
         bound = flags.ranges(type(args))["dist_timeout"]
         if not flags.within(args.dist_timeout, bound):
             fail(f"--dist-timeout must be {bound}, got {args.dist_timeout}")
@@ -136,13 +137,13 @@ class Session:
             if done >= args.steps:  # nothing to do: say so, exit 0
                 say(f"{args.out} has finished all {args.steps} steps; give --resume a larger --steps to extend it")
                 raise SystemExit(0)
-            inputs.check_resumed(args, self.state["args"], self.state.get("inputs"), self.checkpoint)
+            paths.check_resumed(args, self.state["args"], self.state.get("inputs"), self.checkpoint)
         self.args = args = method.finalize(args)
         flags.check_args(args)
         if getattr(args, "offload", False) and not dist.host_collectives():  # a resumed run's saved --offload
             fail(f"{args.out} was trained with --offload: give --offload with --resume too (its process group "
                  f"needs gloo beside NCCL)")
-        guard.reset(self.state["progress"].get("bad_updates", 0) if self.state else 0, args.out)
+        models.reset(self.state["progress"].get("bad_updates", 0) if self.state else 0, args.out)
         flags.check_model_path(args.model)  # then everything that needs the hub, in seconds
         if os.path.isdir(args.model):  # a damaged weights file or a FIFO is named before --out is touched
             try:
@@ -168,12 +169,12 @@ class Session:
         data.first_fitting_prompt(self.problems, self.encode, args.max_prompt_tokens, self.max_chars)
         self.benchmarks, benchmark_digests = evaluation.read_benchmarks(
             args.eval_benchmarks, args.eval_data_dir, args.eval_limit) if args.eval_every else ([], None)
-        read = inputs.fingerprints(dataset_read, benchmark_digests, recorded.get("model"))
+        read = paths.fingerprints(dataset_read, benchmark_digests, recorded.get("model"))
         # recorded with each checkpoint: a resume checks its inputs by them (the base model's weights hashed once)
-        self.inputs = inputs.check_data(args, self.state["args"], recorded, read, changed_data_ok) if args.resume \
+        self.inputs = paths.check_data(args, self.state["args"], recorded, read, changed_data_ok) if args.resume \
             else read
         if not isinstance(self.inputs.get("model"), dict):
-            self.inputs["model"] = inputs.model_record(args.model)
+            self.inputs["model"] = paths.model_record(args.model)
         longest = max((len(self.encode(p["problem"])) for p in self.benchmarks), default=0)
         self.max_model_len = max(args.max_prompt_tokens, longest) + max(args.max_response_tokens,
                                                                        args.eval_max_tokens or 0)
@@ -185,8 +186,8 @@ class Session:
                 (args.eval_max_tokens or 0) else f"--eval-max-tokens {args.eval_max_tokens}"
             fail(f"{args.model} takes at most {context} tokens ({source}), and the run needs {self.max_model_len}: "
                  f"{prompt} plus {response}; lower them to fit")
-        inputs.check_kept(args, runfolder.WRITES)  # --overwrite would delete it, a checkpoint's rotation later
-        runfolder.check_out(args.out, bool(args.resume))
+        paths.check_kept(args, runfolder.WRITES)  # --overwrite would delete it, a checkpoint's rotation later
+        paths.check_out(args.out, bool(args.resume))
         lengths = plan.Lengths(eval_prompt=longest, eval_problems=len(self.benchmarks))  # what the data says
         measured = functools.partial(data.longest_prompt, self.problems, self.encode, args.max_prompt_tokens,
                                      self.max_chars)  # every prompt encoded: only where the verdict may hang on it
@@ -195,7 +196,7 @@ class Session:
         if not args.resume:
             runfolder.prepare_out(args.out, args.overwrite)
         done = self.state["progress"]["step"] if self.state else 0
-        runfolder.check_writes(args.out, planned_writes(args, done))  # before step 1, not when first written
+        paths.check_writes(args.out, planned_writes(args, done))  # before step 1, not when first written
         plan.write(self.plan, args.out)
         torch.manual_seed(args.seed)  # the critic's new head starts alike on every rank
 
@@ -229,19 +230,19 @@ class Session:
         self.first_step_at, self.steps_here = None, 0  # the time left is measured over this process's steps
 
     def __enter__(self):
-        signals.running(lambda: (self.step, self.args.out))
+        console.running(lambda: (self.step, self.args.out))
         return self
 
     def __exit__(self, kind, error, trace):
         self.log.close()
         # a signal's line after the steps still names the last step, but no longer through this Session: it holds the
         # models and optimizers, which a process running train() again (gpu_check's parts) must get back
-        signals.running(lambda step=self.step, out=self.args.out: (step, out))
-        if error is not None and signals.from_signal(error):
+        console.running(lambda step=self.step, out=self.args.out: (step, out))
+        if error is not None and console.from_signal(error):
             from machinery import grader  # what breaks after a signal (a writer wraps it in its own error) is the signal
 
             grader.close_pool()
-            raise signals.Interrupted(self.step, self.args.out) from None
+            raise console.Interrupted(self.step, self.args.out) from None
         return False
 
     def steps(self):
@@ -249,11 +250,11 @@ class Session:
         if self.args.eval_every and self.progress["step"] == 0:
             self.log.write({"step": 0, **self.evaluate(0), "rollouts/total": 0, "rollouts/generated_tokens": 0})
         for step in range(self.progress["step"] + 1, self.args.steps + 1):
-            signals.check_interrupted()
+            console.check_interrupted()
             self.step, self.laps, self.clock, self.started = step, {}, time.perf_counter(), time.perf_counter()
             self.first_step_at = self.first_step_at or self.started
             yield step
-        signals.check_interrupted()
+        console.check_interrupted()
 
     def next_prompts(self, n: int) -> list:
         prompts = [next(self.prompts) for _ in range(n)]
@@ -278,7 +279,7 @@ class Session:
         policy, tokenizer, batch) if given, and written with a few of its completions; the fields the method
         recomputes every step dropped from the samples, which the deque keeps; a checkpoint when due, with the
         reference model once reincarnation has made it pi_T (before, it is the base model, loaded again)."""
-        from machinery import checkpoints, progress
+        from machinery import checkpoints, console
 
         args, step = self.args, record["step"]
         gen, trainer, sync = dist.all_reduce(torch.tensor([self.laps.get(k, 0.0) for k in ("gen", "trainer",
@@ -300,20 +301,20 @@ class Session:
         self.log.completions(step, logs.completion_rows(step, fresh + history, self.tokenizer, args.log_completions,
                                                    self.method.final_answer))
         self.steps_here += 1
-        say(progress.step_line(step, args.steps, {"gen": gen, "trainer": trainer, "weight_sync": sync,
-                                                  "eval": record.get("perf/eval_s", 0.0)}, record["perf/step_s"],
-                               record["reward/mean"], self.steps_here, time.perf_counter() - self.first_step_at))
+        say(console.step_line(step, args.steps, {"gen": gen, "trainer": trainer, "weight_sync": sync,
+                                                 "eval": record.get("perf/eval_s", 0.0)}, record["perf/step_s"],
+                              record["reward/mean"], self.steps_here, time.perf_counter() - self.first_step_at))
         self.progress["step"] = step
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoints.save(args.out, step, {**self.models, "reference": self.models["reference"] if reincarnated
                                               else None}, self.tokenizer, self.optimizers,
                              {"args": dataclasses.asdict(args), "method": self.written_by, "inputs": self.inputs,
                               "replay": list(self.replay),
-                              "progress": {**self.progress, "bad_updates": guard.in_a_row()}}, args.keep_last)
+                              "progress": {**self.progress, "bad_updates": models.in_a_row()}}, args.keep_last)
 
 
 def planned_writes(args, done: int) -> list[tuple]:
-    """What a run writes under --out after step `done` (runfolder.check_writes' plan): its logs, plan.json, tb (and
+    """What a run writes under --out after step `done` (paths.check_writes' plan): its logs, plan.json, tb (and
     wandb), eval/ with each step-N.jsonl an evaluation will write, and each checkpoint-N a save will replace (of
     these two, only those already there: a run may have any number to come, and only one that exists is in the
     way)."""
