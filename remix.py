@@ -14,8 +14,8 @@ arXiv 2507.06892. Calls into the package it runs on, machinery/, name their modu
         log pi_k of history; V(s_t) of all (PPO)                  prox_and_values
         A = V-trace GAE, c_t = min(c_bar, pi_k/mu) (PPO)          compute_advantages  (vtrace_advantages)
             or (R - mean_group R) / std_group R (GRPO)                                (group_advantages)
-        m passes, mini-batches: Mix-PPG (Eq. 4) - entropy         update      (mix_ppg_loss, kl_convex_loss,
-            + beta * KL-Convex (Eq. 5, lambda(t)), value loss                  policy_objective)
+        m passes, mini-batches: Mix-PPG (Eq. 4) - entropy         update      (objective: mix_ppg_loss,
+            + beta * KL-Convex (Eq. 5, lambda(t)), value loss                  kl_convex_loss, clipped_value_loss)
         push pi_{k+1}'s weights into vLLM                         engines.push_weights
         if k == T: pi_ref <- pi_T, empty replay                   reincarnate (Eq. 6)
 """
@@ -367,14 +367,13 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda t: t) -> t
     return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
 
 
-def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2, weights=None, historical=None):
+def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2, weights=None):
     """Eq. 4, Mix-PPG (GePPO's clipped objective), token mean:
         L = - mean[ min( r * A,  clip(r, c - eps, c + eps) * A ) ],  r = pi_theta / mu,  c = pi_k / mu
     The ratio is taken against each sample's behaviour policy mu and the clip interval is centred at
     c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip. clipfrac counts the tokens where
     the clip changes the objective (A > 0 above c + eps, A < 0 below c - eps), as verl and TRL do.
-    weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term: sampler_is_weight. historical [N],
-    True on replayed samples, is the same for all here: a fork's handle on them (docs/forks: a clip for them only)."""
+    weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term: sampler_is_weight."""
     r = ratio(logp - behaviour_logp)  # [N, L]
     centre = ratio(prox_logp - behaviour_logp).detach()  # [N, L]  c, a constant of the step
     unclipped = r * advantages  # [N, L]
@@ -400,9 +399,30 @@ def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.
     return 0.5 * masked_mean(torch.maximum((values - value_targets) ** 2, (clipped - value_targets) ** 2), mask)
 
 
-def policy_objective(mix_ppg, entropy, kl_convex, ent_coef: float, beta: float) -> torch.Tensor:
-    """Eq. 6, the policy's loss: L_mix - ent_coef * entropy + beta * L_klc (after T, on fresh samples: PPO's)."""
-    return mix_ppg - ent_coef * entropy + beta * kl_convex
+def objective(mb: dict, lam: float, args: Args) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Eq. 6 whole, on one micro-batch: the losses to backpropagate and the terms to log, token means over it.
+        policy: L_mix (Eq. 4) - ent_coef * H(pi_theta) + beta * L_klc (Eq. 5, lambda(t))   (after T: PPO's, fresh)
+        critic: PPO's clipped value loss against the V-trace targets                         (PPO only)
+    mb holds [n, l] tensors: logp and entropy of pi_theta (with gradients), behaviour_logp (mu), prox_logp (pi_k),
+    advantages, response_mask, ref_logp (when beta > 0), sampler_weight (--sampler-is-cap), and under PPO values
+    (V at the step's start), value_targets and new_values (V being fitted, with gradients); historical [n] is True
+    on the samples replayed from the deque. A fork that adds, drops or reweighs a term edits this function."""
+    logp, prox, mask = mb["logp"], mb["prox_logp"], mb["response_mask"]  # [n, l] each
+    mix_ppg, clip_stats = mix_ppg_loss(logp, mb["behaviour_logp"], prox, mb["advantages"], mask, args.clip_eps,
+                                       mb.get("sampler_weight"))
+    entropy = masked_mean(mb["entropy"], mask)
+    logged = {"losses/policy_loss": mix_ppg, "losses/entropy": entropy, "losses/clipfrac": clip_stats["clipfrac"],
+              "losses/approx_kl": clip_stats["approx_kl"], "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
+    kl_convex = torch.zeros((), device=logp.device)
+    if args.kl_beta:  # no reference model, and no ref_logp, without the term
+        kl_convex = kl_convex_loss(logp, mb["ref_logp"], prox, lam, mask)
+        logged.update({"losses/kl_convex": kl_convex, "kl/ref": masked_mean(k3_kl(logp, mb["ref_logp"]), mask)})
+    losses = {"policy": mix_ppg - args.ent_coef * entropy + args.kl_beta * kl_convex}
+    if "new_values" in mb:  # PPO's critic
+        losses["critic"] = clipped_value_loss(mb["new_values"], mb["values"], mb["value_targets"], mask,
+                                              args.value_clip)
+        logged["losses/value_loss"] = losses["critic"]
+    return losses, logged
 
 
 # ======================================= end of ALGO LOGIC ====================================
@@ -560,41 +580,35 @@ def offpolicy_diagnostics(adv: dict, fresh: list[dict], args: Args) -> dict[str,
 
 def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd: int, step: int, args: Args) -> dict:
     """6. utd passes (Decision 13), each a new random order of the batch cut into mini-batches of mini_batch_prompts
-    prompts' responses, one optimizer step each on Eq. 6 and the value loss. Each term is the token mean over the
-    mini-batch, all ranks: a micro-batch's mean times its token share, times the world size (FSDP averages ranks)."""
+    prompts' responses, one optimizer step each on objective(): Eq. 6 and the value loss. Each term is the token mean
+    over the mini-batch, all ranks: a micro-batch's mean times its token share, times the world size (FSDP averages
+    the ranks' gradients)."""
     nets, stats = [net for net in (policy, critic) if net is not None], collections.defaultdict(list)
+    stored = ["behaviour_logp", "prox_logp", "advantages"]  # each sample's [L] fields that objective() reads
+    stored += ["ref_logp"] if args.kl_beta else []  # none without a reference model
+    stored += ["sampler_weight"] if args.sampler_is_cap is not None else []
+    stored += ["values", "value_targets"] if critic is not None else []
     for net in nets:  # training mode: transformers checkpoints activations only then (no dropout here)
         net.train()
     for epoch in range(utd):
         for rows in dist.mini_batches(batch, args.mini_batch_prompts * args.group_size, args.seed, step, epoch):
             size = dist.all_reduce(aggregation(models.response_mask(rows))[1])  # the mini-batch's, all ranks
-            terms = collections.defaultdict(float)  # each logged term, summed with its micro-batch's share
+            means = collections.defaultdict(float)  # each logged term's mini-batch mean, summed share by share
             for micro in dist.micro_batches(rows, args.max_tokens_per_micro_batch):
-                mb = models.collate(micro)
-                mask, historical = mb["response_mask"], mb["historical"]  # [n, l]; [n], True on replayed samples
-                share = aggregation(mask)[1] / size  # the micro-batch's part of the mini-batch's token mean
-                behaviour, prox, adv = (models.padded(micro, k) for k in ("behaviour_logp", "prox_logp", "advantages"))
-                weights = models.padded(micro, "sampler_weight") if args.sampler_is_cap is not None else None
-                logp, entropy = policy_forward(policy, mb, args.temperature)  # [n, l] log pi_theta, H(pi_theta)
-                pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights, historical)
-                entropy = masked_mean(entropy, mask)
-                kl = {"losses/policy_loss": pg_loss, "losses/entropy": entropy, "losses/clipfrac": pg_stats["clipfrac"],
-                      "losses/approx_kl": pg_stats["approx_kl"], "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
-                klc = torch.zeros((), device=logp.device)
-                if args.kl_beta:
-                    ref = models.padded(micro, "ref_logp")  # [n, l] pi_ref
-                    klc = kl_convex_loss(logp, ref, prox, lam, mask)
-                    kl.update({"losses/kl_convex": klc, "kl/ref": masked_mean(k3_kl(logp, ref), mask)})
-                (policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta) * share * dist.world()).backward()
+                mb = models.collate(micro)  # token rows [n, P + l], response_mask [n, l], historical [n]
+                mb.update({key: models.padded(micro, key) for key in stored})  # [n, l] each, as stored
+                mb["logp"], mb["entropy"] = policy_forward(policy, mb, args.temperature)  # [n, l] pi_theta's
                 if critic is not None:
-                    value_loss = clipped_value_loss(critic_forward(critic, mb), models.padded(micro, "values"),
-                                                    models.padded(micro, "value_targets"), mask, args.value_clip)
-                    (value_loss * share * dist.world()).backward()  # FSDP's mean over ranks: times the world
-                    kl["losses/value_loss"] = value_loss
-                for name, term in kl.items():
-                    terms[name] += float(term.detach()) * float(share)  # summed over the ranks by guard
+                    mb["new_values"] = critic_forward(critic, mb)  # [n, l] V(s_t) being fitted
+                losses, logged = objective(mb, lam, args)
+                share = aggregation(mb["response_mask"])[1] / size  # its part of the mini-batch's token mean
+                # the critic's graph first: freed before the policy's output layer's backward, the update's peak
+                for loss in reversed(losses.values()):
+                    (loss * share * dist.world()).backward()  # FSDP's mean over ranks: times the world
+                for name, term in logged.items():
+                    means[name] += float(term.detach()) * float(share)  # summed over the ranks by guard
             norms = [dist.clip_grad_norm(net, args.max_grad_norm) for net in nets]  # each model's global norm
-            if guard.finite_update(terms, norms, stats, step):  # else skipped; 3 in a row stop the run
+            if guard.finite_update(means, norms, stats, step):  # else skipped; 3 in a row stop the run
                 for optim in optimizers:
                     optim.step()
             for optim in optimizers:  # no gradients held through the push, generation and no-grad passes
@@ -646,8 +660,9 @@ def train(args: Args, on_step=None) -> dict:
             record = {"step": step, "phase": "mix" if mixing else "on-policy", "kl_convex/lambda": lam,
                       "train/utd": utd, "replay/deque_size": len(replay),
                       **metrics.step_metrics(step, fresh, history, diagnostics, stats)}
-            session.end_step(record, fresh, history, RECOMPUTED, args.reincarnation and step >= args.reincarnate_step,
-                             on_step)  # on_step(step, record, policy, tokenizer, batch), then fields dropped, saved
+            reincarnated = args.reincarnation and step >= args.reincarnate_step  # the reference is pi_T
+            session.end_step(record, fresh, history, RECOMPUTED, reincarnated=reincarnated,
+                             on_step=on_step)  # on_step(step, record, policy, tokenizer, batch), fields dropped, saved
     return dict(policy=policy, reference=reference, critic=critic, replay=replay, llm=llm, tokenizer=tokenizer)
 
 
