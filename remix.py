@@ -406,9 +406,8 @@ def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float =
     loss = -masked_mean(per_token if weights is None else per_token * weights, mask)
     with torch.no_grad():
         cut = ((advantages > 0) & (r > centre + eps)) | ((advantages < 0) & (r < centre - eps))
-        # CleanRL's approx_kl, (r - 1) - log r with r = pi_theta / pi_k
-        approx_kl = k3_kl(prox_logp, logp)  # [N, L]
-        stats = {"clipfrac": masked_mean(cut.float(), mask),  # cut [N, L]
+        approx_kl = k3_kl(prox_logp, logp)  # [N, L] CleanRL's: (r - 1) - log r, r = pi_theta / pi_k
+        stats = {"clipfrac": masked_mean(cut.float(), mask),
                  "approx_kl": masked_mean(approx_kl, mask)}
     return loss, stats
 
