@@ -1,23 +1,24 @@
 """ReMix: Reincarnating Mix-policy Proximal Policy Gradient, the method in one file.
 
-Liang et al., "Squeeze the Soaked Sponge: Efficient Off-policy Reinforcement Finetuning for Large Language Model",
-arXiv 2507.06892. Calls into the package it runs on, machinery/, name their module (dist., runner., ...): skip them.
+Liang et al., "Squeeze the Soaked Sponge: Efficient Off-policy Reinforcement Finetuning for Large
+Language Model", arXiv 2507.06892. Calls into the package it runs on, machinery/, name their module
+(dist., run., ...): skip them.
 
-    replay = deque(maxlen=N)                                      the last N policies' fresh batches
+    replay = deque(maxlen=N)                                  the last N policies' fresh batches
     for k = 1, 2, ...:
-        p, m = (p, m) if k <= T else (0, 1)                       stage
-        fresh = G responses of pi_k to each of (1-p)*B prompts    sample      (vLLM, one seed per request)
-        reward = [last \\boxed{} == gold]  (math-verify)           score       (training_reward)
-        mu, ref = log pi_k, log pi_ref of each fresh token        behaviour_and_reference
-        history = p*B prompts' groups, whole, from replay         draw_history
+        p, m = (p, m) if k <= T else (0, 1)                   stage
+        fresh = G responses of pi_k to each of (1-p)*B prompts  sample (vLLM, a seed per request)
+        reward = [last \\boxed{} == gold]  (math-verify)      score (training_reward)
+        mu, ref = log pi_k, log pi_ref of each fresh token    behaviour_and_reference
+        history = p*B prompts' groups, whole, from replay     draw_history
         replay.append(fresh)
-        log pi_k of history; V(s_t) of all (PPO)                  prox_and_values
-        A = V-trace GAE, c_t = min(c_bar, pi_k/mu) (PPO)          compute_advantages  (vtrace_advantages)
-            or (R - mean_group R) / std_group R (GRPO)                                (group_advantages)
-        m passes, mini-batches: Mix-PPG (Eq. 4) - entropy         update      (mix_ppg_loss, kl_convex_loss,
-            + beta * KL-Convex (Eq. 5, lambda(t)), value loss                  policy_objective)
-        push pi_{k+1}'s weights into vLLM                         engines.push_weights
-        if k == T: pi_ref <- pi_T, empty replay                   reincarnate (Eq. 6)
+        log pi_k of history; V(s_t) of all (PPO)              prox_and_values
+        A = V-trace GAE, c_t = min(c_bar, pi_k/mu) (PPO)      compute_advantages (vtrace_advantages,
+            or (R - mean_group R) / std_group R (GRPO)          group_advantages)
+        m passes, mini-batches: Mix-PPG (Eq. 4) - entropy     update, objective (mix_ppg_loss,
+            + beta * KL-Convex (Eq. 5, lambda(t)), value loss  kl_convex_loss, clipped_value_loss)
+        push pi_{k+1}'s weights into vLLM                     engines.push_weights
+        if k == T: pi_ref <- pi_T, empty replay               reincarnate (Eq. 6)
 """
 
 if __name__ == "__main__":  # first: a Ctrl-C while torch imports (seconds) ends in one line too
@@ -171,8 +172,8 @@ class Args:
 
 
 def finalize_args(args: Args) -> Args:
-    """Fill the algorithm- and device-dependent defaults; flags.check_args then rejects bad values."""
-    if args.on_policy:  # nothing of ReMix is left: no replay, no extra passes, no switch, KL to the base only
+    """Fill the algorithm- and device-dependent defaults; flags.check_args rejects bad values."""
+    if args.on_policy:  # no ReMix: no replay, no extra passes, no switch, KL to the base only
         args.off_policy_p, args.utd, args.reincarnation, args.kl_convex = 0.0, 1, False, False
     if args.prompts_per_step is None:
         args.prompts_per_step = 256 if args.algo == "ppo" else 128
@@ -183,13 +184,17 @@ def finalize_args(args: Args) -> Args:
     return args
 
 
-# ---- The prompt and the reward: answer verification with math-verify (spec Sec. 7); METHOD hands them to machinery --
-SELF_REFLECTION_WORDS = ("verify", "re-examine", "double-check", "why", "root cause", "validate", "abduct", "question",
-                         "check", "but", "wait", "confirm", "scrutinize", "analyze", "investigate", "probe")
+# ---- The prompt and the reward: answers verified with math-verify (spec Sec. 7) -------------
+# METHOD hands them to machinery
+SELF_REFLECTION_WORDS = ("verify", "re-examine", "double-check", "why", "root cause", "validate",
+                         "abduct", "question", "check", "but", "wait", "confirm", "scrutinize",
+                         "analyze", "investigate", "probe")
 
 
-def build_prompt(tokenizer, problem: str, suffix: str = Args.prompt_suffix, system: str | None = None) -> list[int]:
-    """One user turn through the chat template with the generation prompt; plain text without one (base models)."""
+def build_prompt(tokenizer, problem: str, suffix: str = Args.prompt_suffix,
+                 system: str | None = None) -> list[int]:
+    """One user turn through the chat template, generation prompt added; plain text without one
+    (base models)."""
     if not tokenizer.chat_template:
         return tokenizer((system + "\n\n" if system else "") + problem + suffix).input_ids
     turns = [{"role": "system", "content": system}] if system else []
@@ -199,22 +204,25 @@ def build_prompt(tokenizer, problem: str, suffix: str = Args.prompt_suffix, syst
 
 
 def final_answer(response: str) -> str | None:
-    """The content of the last balanced \\boxed{...} (or \\fbox) of the text after the first </think>, or of the
-    whole text without one: 'so \\boxed{\\frac{1}{2}}.' -> '\\frac{1}{2}'."""
-    return grader.last_boxed(response.partition("</think>")[2] if "</think>" in response else response)
+    """The content of the last balanced \\boxed{...} (or \\fbox) of the text after the first
+    </think>, or of the whole text without one: 'so \\boxed{\\frac{1}{2}}.' -> '\\frac{1}{2}'."""
+    after_thought = response.partition("</think>")[2] if "</think>" in response else response
+    return grader.last_boxed(after_thought)
 
 
 @functools.lru_cache(maxsize=200_000)
 def parse_boxed(expression: str):
-    """math-verify's parse of one answer, first in notation it reads (1.39e9, x', \\dfrac, ...); raises on failure."""
+    """math-verify's parse of one answer, first rewritten in notation it reads (1.39e9, x',
+    \\dfrac, ...); raises on failure."""
     from math_verify import parse
 
     return parse("\\boxed{" + grader.rewrite(expression) + "}", raise_on_error=True)
 
 
 def grade_response(response: str, answer: str) -> tuple[float, str]:
-    """The answer check, what eval.py's Pass@1 counts: (1.0 if right else 0.0, ok | no_boxed | unparsable | error).
-    Runs in a grader worker's main thread, where math-verify's alarm-based timeouts work."""
+    """The answer check, what eval.py's Pass@1 counts: (1.0 if right else 0.0, ok | no_boxed |
+    unparsable | error). Runs in a grader worker's main thread, where math-verify's alarm-based
+    timeouts work."""
     from math_verify import errors, verify
 
     predicted = final_answer(response)
@@ -225,46 +233,54 @@ def grade_response(response: str, answer: str) -> tuple[float, str]:
         if not gold or not pred:
             return 0.0, "unparsable"
         return float(verify(gold, pred, raise_on_error=True)), "ok"  # gold first: the order matters
-    except (Exception, errors.TimeoutException):  # math-verify's timeout is a BaseException: wrong, and counted
+    except (Exception, errors.TimeoutException):  # its timeout: a BaseException; wrong, counted
         return 0.0, "error"
 
 
-def training_reward(response: str, answer: str, tokens: int, truncated: bool) -> tuple[dict[str, float], str]:
-    """The training reward by its parts (their sum; each logged as reward/NAME) and the answer check's status, from the
-    response, its gold answer, its token count and whether it was cut at --max-response-tokens. ReMix's is correctness
-    alone; a fork may add parts (a format bonus, a length penalty) and eval.py's answer check stays as it is."""
+def training_reward(response: str, answer: str, tokens: int,
+                    truncated: bool) -> tuple[dict[str, float], str]:
+    """The training reward by its parts (their sum; each logged as reward/NAME) and the answer
+    check's status, from the response, its gold answer, its token count and whether it was cut at
+    --max-response-tokens. ReMix's is correctness alone; a fork may add parts (a format bonus, a
+    length penalty) and eval.py's answer check stays as it is."""
     correct, status = grade_response(response, answer)
     return {"correct": correct}, status
 
 
-METHOD = runner.Method(finalize=finalize_args, build_prompt=build_prompt, final_answer=final_answer, warm=parse_boxed,
-                       warm_args=("1",), grade_response=grade_response, reflection_words=SELF_REFLECTION_WORDS)
+METHOD = runner.Method(finalize=finalize_args, build_prompt=build_prompt, final_answer=final_answer,
+                       warm=parse_boxed, warm_args=("1",), grade_response=grade_response,
+                       reflection_words=SELF_REFLECTION_WORDS)
 
 
 # ==============================================================================================
-# ALGO LOGIC: the paper's equations, each a pure function over [N, L] tensors and masks (bool or 0/1)
-#   paper          code                       what
-#   mu             behaviour_logp             the policy that sampled a response: pi_{k-i}, i steps ago
-#   pi_k           prox_logp                  the policy at the start of step k (frozen for the step)
-#   pi_theta       logp                       the policy being optimised
-#   pi_ref         ref_logp                   the KL anchor: the base model, pi_T after reincarnation
-#   B, G           prompts_per_step, group_size   prompts per step (fresh + historical), responses per prompt
-#   p, N, m, T     off_policy_p, window, utd, reincarnate_step
-#   r, c           r = pi_theta/mu, centre = pi_k/mu (Eq. 4, by ratio()); c_t = min(c_bar, pi_k/mu) (V-trace)
-# Shapes: [N, L] = [responses, response tokens]; [V] the vocabulary; [H] the hidden size (samples: ONE TRAINING STEP)
+# ALGO LOGIC: the paper's equations, each a pure function over [N, L] tensors and masks (bool, 0/1)
+#   paper       code                 what
+#   mu          behaviour_logp       the policy that sampled a response: pi_{k-i}, i steps ago
+#   pi_k        prox_logp            the policy at the start of step k (frozen for the step)
+#   pi_theta    logp                 the policy being optimised
+#   pi_ref      ref_logp             the KL anchor: the base model, pi_T after reincarnation
+#   B, G        prompts_per_step,    prompts per step (fresh + historical),
+#               group_size           responses per prompt
+#   p, N, m, T  off_policy_p, window, utd, reincarnate_step
+#   r, c        r = pi_theta/mu, centre = pi_k/mu (Eq. 4, by ratio());
+#               c_t = min(c_bar, pi_k/mu) (V-trace)
+# Shapes: [N, L] = [responses, response tokens]; [V] the vocabulary; [H] the hidden size
+# (a sample's fields: ONE TRAINING STEP)
 # ==============================================================================================
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log pi(a_t|s_t) and the entropy of pi(.|s_t), [n, 2], from the logits [n, V] and the tokens [n] sampled there:
-    a log-softmax at the sampling temperature (vLLM samples from softmax(logits / T)), gathered."""
+    """log pi(a_t|s_t) and the entropy of pi(.|s_t), [n, 2], from the logits [n, V] and the tokens
+    [n] sampled there: a log-softmax at the sampling temperature (vLLM samples from
+    softmax(logits / T)), gathered."""
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [n, V]
     entropy = -(log_probs.exp() * log_probs).sum(-1)  # [n]
     return torch.stack([log_probs.gather(-1, tokens[:, None])[:, 0], entropy], dim=-1)  # [n, 2]
 
 
 def aggregation(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """How every loss term is averaged (Decision 3), in this one place: weights per token [N, L] and the size they
-    sum to. The token mean: weight 1 per token, size = tokens (no per-response length term); update() divides by
-    the whole mini-batch's size. (A sequence mean: mask / length and rows; a constant normaliser: mask, rows * L.)"""
+    """How every loss term is averaged (Decision 3), in this one place: weights per token [N, L] and
+    the size they sum to. The token mean: weight 1 per token, size = tokens (no per-response length
+    term); update() divides by the whole mini-batch's size. (A sequence mean: mask / length and
+    rows; a constant normaliser: mask, rows * L.)"""
     weights = mask.float()  # [N, L]
     return weights, weights.sum()
 
@@ -276,32 +292,35 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def ratio(log_ratio: torch.Tensor) -> torch.Tensor:
-    """e^log_ratio, clamped to +-20 first as verl does (Decision 15): finite where pi/mu overflows float32 (e^89)."""
+    """e^log_ratio, clamped to +-20 first as verl does (Decision 15): finite where pi/mu
+    overflows float32 (e^89)."""
     return torch.exp(log_ratio.clamp(-20.0, 20.0))
 
 
 def kl_convex_lambda(t: int, start: int = 50, every: int = 10) -> float:
-    """Eq. 5 schedule: 1.0 up to step `start` (50), then 0.1 lower every `every` (10) steps, never below 0.5:
-    t = 50 -> 1.0, 51 -> 0.9, 60 -> 0.9, 61 -> 0.8, 91 -> 0.5, 500 -> 0.5."""
+    """Eq. 5 schedule: 1.0 up to step `start` (50), then 0.1 lower every `every` (10) steps, never
+    below 0.5: t = 50 -> 1.0, 51 -> 0.9, 60 -> 0.9, 61 -> 0.8, 91 -> 0.5, 500 -> 0.5."""
     return max(1.0 - 0.1 * math.ceil(max(t - start, 0) / every), 0.5)
 
 
 def k3_kl(logp: torch.Tensor, anchor_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi_theta || anchor) from sampled tokens: e^(q-p) - (q-p) - 1 >= 0."""
+    """Per-token k3 estimate of KL(pi_theta || anchor) from sampled tokens:
+    e^(q-p) - (q-p) - 1 >= 0."""
     log_ratio = (anchor_logp - logp).clamp(-20.0, 20.0)  # [N, L], clamped as ratio() is
     return torch.exp(log_ratio) - log_ratio - 1.0  # [N, L]
 
 
 def kl_convex_loss(logp, ref_logp, prox_logp, lam: float, mask) -> torch.Tensor:
-    """Eq. 5: lambda * KL(pi_theta || pi_ref) + (1 - lambda) * KL(pi_theta || pi_k), token mean. The paper's
-    "precedent model" is pi_k, whose log-probs the step has already (Decision 5)."""
+    """Eq. 5: lambda * KL(pi_theta || pi_ref) + (1 - lambda) * KL(pi_theta || pi_k), token mean. The
+    paper's "precedent model" is pi_k, whose log-probs the step has already (Decision 5)."""
     per_token = lam * k3_kl(logp, ref_logp) + (1.0 - lam) * k3_kl(logp, prox_logp)  # [N, L]
     return masked_mean(per_token, mask)
 
 
 def truncated_trace(prox_logp, behaviour_logp, mask, c_bar: float = 1.0) -> torch.Tensor:
-    """V-trace coefficients c_t = min(c_bar, pi_k(a_t|s_t) / mu(a_t|s_t)); exactly 1 on fresh samples."""
-    return torch.where(mask.bool(), ratio(prox_logp - behaviour_logp).clamp(max=c_bar), 1.0)  # [N, L]
+    """V-trace's c_t = min(c_bar, pi_k(a_t|s_t) / mu(a_t|s_t)); exactly 1 on fresh samples."""
+    c = ratio(prox_logp - behaviour_logp).clamp(max=c_bar)  # [N, L]
+    return torch.where(mask.bool(), c, 1.0)  # [N, L]
 
 
 def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: float = 1.0):
@@ -309,7 +328,8 @@ def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: f
         delta_t    = r_t + gamma * V(s_{t+1}) - V(s_t)          (V after the last token = 0)
         A_t        = delta_t + gamma * lam * c_{t+1} * A_{t+1}
         V_target_t = c_t * A_t + V(s_t)
-    The target is V-trace's v_t with rho = c: A_t = sum_{j>=t} (gamma lam)^(j-t) (prod_{i=t+1..j} c_i) delta_j,
+    The target is V-trace's v_t with rho = c:
+    A_t = sum_{j>=t} (gamma lam)^(j-t) (prod_{i=t+1..j} c_i) delta_j,
     so v_t - V(s_t) = sum_j ... (prod_{i=t..j} c_i) delta_j = c_t * A_t.
     Example, one response of 3 tokens, reward 1 at the end, V = (0.5, 0.6, 0.7), c = (1, 0.5, 0.8),
     gamma = lam = 1: A_3 = 1 - 0.7 = 0.3; A_2 = (0.7 - 0.6) + 0.8 * 0.3 = 0.34;
@@ -335,8 +355,9 @@ def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: f
 
 
 def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """GRPO outcome advantage A_hat = (R - mean_group R) / (std_group R + 1e-6), unbiased std: scores (1, 0, 0, 1),
-    groups (0, 0, 1, 1) -> (0.7071, -0.7071, -0.7071, 0.7071). A group of one, or of equal scores, gets 0."""
+    """GRPO outcome advantage A_hat = (R - mean_group R) / (std_group R + 1e-6), unbiased std:
+    scores (1, 0, 0, 1), groups (0, 0, 1, 1) -> (0.7071, -0.7071, -0.7071, 0.7071). A group of one,
+    or of equal scores, gets 0."""
     advantages = torch.zeros_like(scores)  # [N]
     for gid in torch.unique(group_ids):
         members = group_ids == gid  # [N]
@@ -348,18 +369,19 @@ def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
 
 def grpo_token_advantages(a_hat, trace_c, mask, product: bool = False) -> torch.Tensor:
     """GRPO's advantage per response token [N, L] from A_hat [N]. Default: A_hat on every token; the
-    Mix-PPG ratio is the off-policy correction. product (--grpo-vtrace): the V-trace recursion with V = 0,
-    A_t = (prod_{i>t} c_i) * A_hat, which vanishes over long responses (Decision 4)."""
+    Mix-PPG ratio is the off-policy correction. product (--grpo-vtrace): the V-trace recursion with
+    V = 0, A_t = (prod_{i>t} c_i) * A_hat, which vanishes over long responses (Decision 4)."""
     if not product:
         return torch.where(mask.bool(), a_hat[:, None], 0.0)  # [N, L]
     last = mask.long().sum(-1) - 1  # [N] index of each response's last token
-    rewards = torch.zeros_like(trace_c).scatter_(1, last[:, None], a_hat[:, None].to(trace_c.dtype))  # [N, L]
+    a_hat = a_hat[:, None].to(trace_c.dtype)  # [N, 1]
+    rewards = torch.zeros_like(trace_c).scatter_(1, last[:, None], a_hat)  # [N, L]
     return vtrace_advantages(rewards, torch.zeros_like(trace_c), trace_c, mask)[0]
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda t: t) -> torch.Tensor:
-    """Zero mean, unit variance over the masked tokens of the whole batch (PPO advantages); with several
-    processes the moments are those of the global batch."""
+    """Zero mean, unit variance over the masked tokens of the whole batch (PPO advantages); with
+    several processes the moments are those of the global batch."""
     mask = mask.bool()
     total = sum_over_ranks(torch.stack([torch.where(mask, x, 0.0).sum(), mask.sum().to(x.dtype)]))
     mean = total[0] / total[1].clamp(min=1)
@@ -367,14 +389,15 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda t: t) -> t
     return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
 
 
-def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2, weights=None, historical=None):
+def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float = 0.2, weights=None):
     """Eq. 4, Mix-PPG (GePPO's clipped objective), token mean:
-        L = - mean[ min( r * A,  clip(r, c - eps, c + eps) * A ) ],  r = pi_theta / mu,  c = pi_k / mu
+        L = - mean[ min( r * A,  clip(r, c - eps, c + eps) * A ) ],   r = pi_theta / mu,
+                                                                      c = pi_k / mu
     The ratio is taken against each sample's behaviour policy mu and the clip interval is centred at
-    c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip. clipfrac counts the tokens where
-    the clip changes the objective (A > 0 above c + eps, A < 0 below c - eps), as verl and TRL do.
-    weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term: sampler_is_weight. historical [N],
-    True on replayed samples, is the same for all here: a fork's handle on them (docs/forks: a clip for them only)."""
+    c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip. clipfrac counts the tokens
+    where the clip changes the objective (A > 0 above c + eps, A < 0 below c - eps), as verl and TRL
+    do. weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term:
+    sampler_is_weight."""
     r = ratio(logp - behaviour_logp)  # [N, L]
     centre = ratio(prox_logp - behaviour_logp).detach()  # [N, L]  c, a constant of the step
     unclipped = r * advantages  # [N, L]
@@ -382,114 +405,166 @@ def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float =
     per_token = torch.minimum(unclipped, clipped)  # [N, L]
     loss = -masked_mean(per_token if weights is None else per_token * weights, mask)
     with torch.no_grad():
-        cut = ((advantages > 0) & (r > centre + eps)) | ((advantages < 0) & (r < centre - eps))  # [N, L]
-        approx_kl = k3_kl(prox_logp, logp)  # [N, L] CleanRL's approx_kl, (r - 1) - log r with r = pi_theta / pi_k
-        stats = {"clipfrac": masked_mean(cut.float(), mask), "approx_kl": masked_mean(approx_kl, mask)}
+        cut = ((advantages > 0) & (r > centre + eps)) | ((advantages < 0) & (r < centre - eps))
+        approx_kl = k3_kl(prox_logp, logp)  # [N, L] CleanRL's: (r - 1) - log r, r = pi_theta / pi_k
+        stats = {"clipfrac": masked_mean(cut.float(), mask),
+                 "approx_kl": masked_mean(approx_kl, mask)}
     return loss, stats
 
 
 def sampler_is_weight(trainer_logp, sampler_logp, cap: float) -> torch.Tensor:
-    """Not in the paper (Decision 18, TRL's vLLM correction): min(pi_trainer / pi_sampler, cap) per token, for the
-    sampler's kernels' gap from the trainer. trainer -1.0, sampler -1.5: e^0.5 = 1.65; trainer -0.2, cap 2: 2."""
+    """Not in the paper (Decision 18, TRL's vLLM correction): min(pi_trainer / pi_sampler, cap) per
+    token, for the sampler's kernels' gap from the trainer. trainer -1.0, sampler -1.5:
+    e^0.5 = 1.65; trainer -0.2, cap 2: 2."""
     return ratio(trainer_logp - sampler_logp).clamp(max=cap)  # [L]
 
 
 def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.5) -> torch.Tensor:
-    """PPO's clipped value loss: 0.5 * mean max((V - target)^2, (clip(V, V_old +- clip) - target)^2)."""
+    """PPO's clipped value loss:
+        0.5 * mean max((V - target)^2, (clip(V, V_old +- clip) - target)^2)."""
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)  # [N, L]
-    return 0.5 * masked_mean(torch.maximum((values - value_targets) ** 2, (clipped - value_targets) ** 2), mask)
+    squared = torch.maximum((values - value_targets) ** 2, (clipped - value_targets) ** 2)  # [N, L]
+    return 0.5 * masked_mean(squared, mask)
 
 
-def policy_objective(mix_ppg, entropy, kl_convex, ent_coef: float, beta: float) -> torch.Tensor:
-    """Eq. 6, the policy's loss: L_mix - ent_coef * entropy + beta * L_klc (after T, on fresh samples: PPO's)."""
-    return mix_ppg - ent_coef * entropy + beta * kl_convex
+def objective(mb: dict, lam: float, args: Args) -> tuple[dict, dict]:
+    """Eq. 6 whole, on one micro-batch: the losses to backpropagate, and the terms to log.
+        policy: L_mix (Eq. 4) - ent_coef * H(pi_theta) + beta * L_klc (Eq. 5, lambda(t))
+        critic: PPO's clipped value loss against the V-trace targets (PPO only)
+    each a token mean over the micro-batch (after T, on fresh samples only: PPO's objective).
+    mb holds [n, l] tensors: logp and entropy of pi_theta (with gradients), behaviour_logp (mu),
+    prox_logp (pi_k), advantages, response_mask, ref_logp (when beta > 0), sampler_weight
+    (--sampler-is-cap), and under PPO values (V at the step's start), value_targets and new_values
+    (V being fitted, with gradients); historical [n] is True on the samples replayed from the deque.
+    A fork that adds, drops or reweighs a term edits this function."""
+    logp, prox, mask = mb["logp"], mb["prox_logp"], mb["response_mask"]  # [n, l] each
+    mix_ppg, clip_stats = mix_ppg_loss(logp, mb["behaviour_logp"], prox, mb["advantages"], mask,
+                                       args.clip_eps, mb.get("sampler_weight"))
+    entropy = masked_mean(mb["entropy"], mask)
+    logged = {"losses/policy_loss": mix_ppg, "losses/entropy": entropy,
+              "losses/clipfrac": clip_stats["clipfrac"],
+              "losses/approx_kl": clip_stats["approx_kl"],
+              "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
+    kl_convex = torch.zeros((), device=logp.device)
+    if args.kl_beta:  # no reference model, and no ref_logp, without the term
+        ref = mb["ref_logp"]  # [n, l]
+        kl_convex = kl_convex_loss(logp, ref, prox, lam, mask)
+        logged["losses/kl_convex"] = kl_convex
+        logged["kl/ref"] = masked_mean(k3_kl(logp, ref), mask)
+    losses = {"policy": mix_ppg - args.ent_coef * entropy + args.kl_beta * kl_convex}
+    if "new_values" in mb:  # PPO's critic
+        losses["critic"] = clipped_value_loss(mb["new_values"], mb["values"], mb["value_targets"],
+                                              mask, args.value_clip)
+        logged["losses/value_loss"] = losses["critic"]
+    return losses, logged
 
 
 # ======================================= end of ALGO LOGIC ====================================
 
 
-# ---- The replay deque, the two stages and reincarnation; log pi(a_t|s_t) and V(s_t) of every response token ----
+# ---- The replay deque, the two stages and reincarnation ------------------------------------------
+# and log pi(a_t|s_t) and V(s_t) of every response token
 def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
-    """n_groups whole groups (Decision 2: group statistics never mix fresh and old responses), drawn uniformly without
-    replacement from the last N policies' batches pooled; fewer if the deque holds fewer (none at step 1)."""
+    """n_groups whole groups (Decision 2: group statistics never mix fresh and old responses), drawn
+    uniformly without replacement from the last N policies' batches pooled; fewer if the deque holds
+    fewer (none at step 1)."""
     stored = [group for batch in replay for group in batch]
     return random.sample(stored, min(n_groups, len(stored)))
 
 
 def stage(step: int, args: Args) -> tuple[bool, float, int]:
-    """Mix stage (p, m) through step T; after it, and in --on-policy runs, p = 0 and m = 1 (Eq. 6, Decision 6)."""
+    """Mix stage (p, m) through step T; after it, and in --on-policy runs, p = 0 and m = 1
+    (Eq. 6, Decision 6)."""
     mixing = not args.on_policy and (not args.reincarnation or step <= args.reincarnate_step)
     return mixing, (args.off_policy_p if mixing else 0.0), (args.utd if mixing else 1)
 
 
 def reincarnate(policy, reference, replay: collections.deque):
-    """Reincarnation at T (Eq. 6): pi_ref <- pi_T, the deque emptied; optimizers, critic and lambda(t) carry on."""
+    """Reincarnation at T (Eq. 6): pi_ref <- pi_T, the deque emptied; optimizers, critic
+    and lambda(t) carry on."""
     if reference is not None:  # none without a KL term (--kl-beta 0)
         reference.load_state_dict(policy.state_dict())
     replay.clear()
 
 
 def policy_forward(model, batch: dict, temperature: float):
-    """log pi(a_t|s_t) and the entropy of pi(.|s_t) for every response token, [N, L] each: token_logprobs over the
-    output layer's logits at the positions that predict the response tokens, a chunk of tokens at a time
-    (models.chunked_logprobs: [tokens, V] logits never exist whole), in the model's dtype (--precision)."""
-    start, tokens = batch["prompt_len"], batch["input_ids"][:, batch["prompt_len"]:]  # [N, L] the response tokens
+    """log pi(a_t|s_t) and the entropy of pi(.|s_t) for every response token, [N, L] each:
+    token_logprobs over the output layer's logits at the positions that predict the response tokens,
+    a chunk of tokens at a time (models.chunked_logprobs: [tokens, V] logits never exist whole), in
+    the model's dtype (--precision)."""
+    start = batch["prompt_len"]
+    tokens = batch["input_ids"][:, start:]  # [N, L] the response tokens
     def forward(input_ids, attention_mask, position_ids):
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  use_cache=False).last_hidden_state  # [N, P+L, H]
-        hidden = hidden[:, start - 1 : -1].reshape(tokens.numel(), -1)  # [N * L, H]: position P + t - 1 predicts t
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, use_cache=False).last_hidden_state
+        # [N, P + L, H]; position P + t - 1 predicts response token t
+        hidden = hidden[:, start - 1 : -1].reshape(tokens.numel(), -1)  # [N * L, H]
         weight = model.get_output_embeddings().weight  # [V, H]
-        return models.chunked_logprobs(token_logprobs, hidden, weight, tokens.reshape(-1), temperature)  # [N * L, 2]
-    out = dist.as_forward(model, forward, batch["input_ids"], batch["attention_mask"], batch["position_ids"])
-    out = out.view(*tokens.shape, 2)  # [N, L, 2]: FSDP2 gathered the root's weights for forward, given its inputs
+        return models.chunked_logprobs(token_logprobs, hidden, weight, tokens.reshape(-1),
+                                       temperature)  # [N * L, 2]
+    # FSDP2 gathers the root's weights for a forward given its inputs
+    out = dist.as_forward(model, forward, batch["input_ids"], batch["attention_mask"],
+                          batch["position_ids"])
+    out = out.view(*tokens.shape, 2)  # [N, L, 2]
     return out[..., 0], out[..., 1]
 
 
 def critic_forward(critic, batch: dict) -> torch.Tensor:
-    """V(s_t) of each response token t, read at the position that predicts t (V(s_0) at the last prompt token)."""
-    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                 position_ids=batch["position_ids"]).logits  # [N, P + L, 1]
+    """V(s_t) of each response token t, read at the position that predicts t (V(s_0): the last
+    prompt token's)."""
+    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 position_ids=batch["position_ids"], use_cache=False).logits  # [N, P + L, 1]
     return out[:, batch["prompt_len"] - 1 : -1, 0].float()  # [N, L]
 
 
 # ==============================================================================================
-# ONE TRAINING STEP, phase by phase in the paper's order, each a function a fork can replace, run by every rank on
-# its share (dist.all_reduce/all_gather combine). A sample is one response, a dict whose fields the phases fill in:
-#   phase               fields ([L] = one value per response token)                      in the deque
-#   1 sample            prompt_ids, response_ids, answer, version (its policy's step k),  stored
-#                       group, truncated, sampler_logp [L] (vLLM's, None with hf)
-#   2 score             reward, reward_parts, status, reflects                           stored
-#   3 behaviour/ref     behaviour_logp [L] (mu), ref_logp [L], sampler_weight [L]        stored
-#   4 prox/values       prox_logp [L] (pi_k), historical (replayed now), values [L] (PPO)  recomputed
-#   5 advantages        advantages [L], value_targets [L] (PPO)                          recomputed
+# ONE TRAINING STEP, phase by phase in the paper's order, each a function a fork can replace, run
+# by every rank on its share (dist.all_reduce/all_gather combine). A sample is one response, a dict
+# whose fields the phases fill in ([L] = one value per response token):
+#   phase            fields                                                       in the deque
+#   1 sample         prompt_ids, response_ids, answer, version (its policy's k),  stored
+#                    group, truncated, sampler_logp [L] (vLLM's, None with hf)
+#   2 score          reward, reward_parts, status, reflects                       stored
+#   3 behaviour/ref  behaviour_logp [L] (mu), ref_logp [L], sampler_weight [L]    stored
+#   4 prox/values    prox_logp [L] (pi_k), historical (replayed now),             recomputed
+#                    values [L] (PPO)
+#   5 advantages     advantages [L], value_targets [L] (PPO)                      recomputed
 # ==============================================================================================
-RECOMPUTED = ("prox_logp", "historical", "values", "advantages", "value_targets")  # 4, 5: a stored sample's anew
+RECOMPUTED = ("prox_logp", "historical", "values", "advantages", "value_targets")  # 4, 5 anew
 
 
 def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list[list[dict]]:
-    """1. group_size responses of pi_k to each of this rank's fresh prompts (a group). Each vLLM request has its own
-    seed, from the prompt's index in the step: a resumed run, and the ranks of one engine, draw the same tokens."""
-    mine, engine, first, offset = dist.prompt_shares(prompts, args.vllm_tp)  # this rank's prompts; its engine's
+    """1. group_size responses of pi_k to each of this rank's fresh prompts (a group). Each vLLM
+    request has its own seed, from the prompt's index in the step: a resumed run, and the ranks of
+    one engine, draw the same tokens."""
+    # this rank's prompts; its engine's
+    mine, engine, first, offset = dist.prompt_shares(prompts, args.vllm_tp)
     sampling = (args.temperature, args.top_p, args.max_response_tokens)
     if llm is not None:
-        seeds = [engines.request_seed(args.seed, step, first + i, args.group_size) for i in range(len(engine))]
-        groups = engines.vllm_generate(llm, [p.ids for p in engine], args.group_size, seeds, *sampling)[offset:]
+        seeds = [engines.request_seed(args.seed, step, first + i, args.group_size)
+                 for i in range(len(engine))]
+        groups = engines.vllm_generate(llm, [p.ids for p in engine], args.group_size, seeds,
+                                       *sampling)[offset:]
     else:
-        groups = engines.hf_generate(policy, tokenizer, [p.ids for p in mine], args.group_size, *sampling,
-                                     engines.hf_batch(args))
-    # a group id unique over the run and the ranks: the prompt's index in the step (a step has under a million)
-    return [[{"prompt_ids": prompt.ids, "response_ids": response or [tokenizer.pad_token_id], "answer": prompt.answer,
-              "version": step, "group": step * 1_000_000 + first + offset + i, "truncated": finish == "length",
-              "sampler_logp": None if logps is None or not response else logps} for response, finish, logps in group]
+        groups = engines.hf_generate(policy, tokenizer, [p.ids for p in mine], args.group_size,
+                                     *sampling, engines.hf_batch(args))
+    # a group id unique over the run and the ranks: the prompt's index in the step (under a million)
+    return [[{"prompt_ids": prompt.ids, "response_ids": response or [tokenizer.pad_token_id],
+              "answer": prompt.answer, "version": step, "truncated": finish == "length",
+              "group": step * 1_000_000 + first + offset + i,
+              "sampler_logp": None if logps is None or not response else logps}
+             for response, finish, logps in group]
             for i, (prompt, group) in enumerate(zip(mine, groups))]
 
 
 def score(fresh: list[dict], tokenizer, args: Args):
-    """2. training_reward of each response, graded in worker processes with a deadline (past it: 0, counted)."""
+    """2. training_reward of each response, graded in worker processes with a deadline
+    (past it: 0, counted)."""
     texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in fresh]
-    items = [(text, s["answer"], len(s["response_ids"]), s["truncated"]) for text, s in zip(texts, fresh)]
-    grades = grader.map_with_deadline(training_reward, items, args.grader_workers, args.grade_timeout, ({}, "timeout"),
-                                      parse_boxed, ("1",))
+    items = [(text, s["answer"], len(s["response_ids"]), s["truncated"])
+             for text, s in zip(texts, fresh)]
+    grades = grader.map_with_deadline(training_reward, items, args.grader_workers,
+                                      args.grade_timeout, ({}, "timeout"), parse_boxed, ("1",))
     for s, text, (parts, status) in zip(fresh, texts, grades):
         s["reward"], s["reward_parts"], s["status"] = sum(parts.values(), 0.0), parts, status
         s["reflects"] = any(word in text.lower() for word in SELF_REFLECTION_WORDS)
@@ -501,40 +576,48 @@ def logp_of(args: Args):
 
 
 def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args):
-    """3. Store with each fresh sample mu, its log-probs recomputed by the trainer (Decision 1), and pi_ref's: fixed
-    until reincarnation empties the deque, so they stay exact as long as the sample can be replayed (Decision 16)."""
+    """3. Store with each fresh sample mu, its log-probs recomputed by the trainer (Decision 1), and
+    pi_ref's: fixed until reincarnation empties the deque, so they stay exact as long as the sample
+    can be replayed (Decision 16)."""
+    budget = args.max_tokens_per_micro_batch
     for key, model in (("behaviour_logp", policy), ("ref_logp", reference)):
         if model is not None:  # no reference without a KL term
-            for s, logp in zip(fresh, models.per_token(logp_of(args), model, fresh, args.max_tokens_per_micro_batch)):
+            for s, logp in zip(fresh, models.per_token(logp_of(args), model, fresh, budget)):
                 s[key] = logp  # [L_i]
-    if args.sampler_is_cap is not None:  # stored with the sample: a replayed sample keeps its weight
+    if args.sampler_is_cap is not None:  # stored with the sample: replayed, it keeps its weight
         for s in fresh:
-            s["sampler_weight"] = sampler_is_weight(s["behaviour_logp"], s["sampler_logp"], args.sampler_is_cap)
+            s["sampler_weight"] = sampler_is_weight(s["behaviour_logp"], s["sampler_logp"],
+                                                    args.sampler_is_cap)
 
 
 def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args: Args):
-    """4. log pi_k on the historical samples (on fresh ones pi_k = mu), each marked historical, and values on all."""
+    """4. log pi_k on the historical samples (on fresh ones pi_k = mu), each marked historical;
+    values on all."""
+    budget = args.max_tokens_per_micro_batch
     for s in fresh:
         s["prox_logp"], s["historical"] = s["behaviour_logp"], False
-    for s, logp in zip(history, models.per_token(logp_of(args), policy, history, args.max_tokens_per_micro_batch)):
+    for s, logp in zip(history, models.per_token(logp_of(args), policy, history, budget)):
         s["prox_logp"], s["historical"] = logp, True
     if critic is not None:
-        for s, v in zip(fresh + history, models.per_token(critic_forward, critic, fresh + history,
-                                                          args.max_tokens_per_micro_batch)):
+        batch = fresh + history
+        for s, v in zip(batch, models.per_token(critic_forward, critic, batch, budget)):
             s["values"] = v
 
 
 def compute_advantages(batch: list[dict], args: Args) -> dict:
-    """5. Advantages, recomputed every step: V-trace GAE whitened over the global batch (PPO), or A_hat (GRPO)."""
+    """5. Advantages, recomputed every step: V-trace GAE whitened over the global batch (PPO),
+    or A_hat (GRPO)."""
     mask = models.response_mask(batch)  # [N, L]
-    behaviour, prox = models.padded(batch, "behaviour_logp", "cpu"), models.padded(batch, "prox_logp", "cpu")  # [N, L]
+    behaviour = models.padded(batch, "behaviour_logp", "cpu")  # [N, L]
+    prox = models.padded(batch, "prox_logp", "cpu")  # [N, L]
     trace_c = truncated_trace(prox, behaviour, mask, args.vtrace_c_bar)  # [N, L]
     scores = torch.tensor([s["reward"] for s in batch])  # [N]
     if args.algo == "ppo":
         values = models.padded(batch, "values", "cpu")  # [N, L]
         last = mask.sum(-1) - 1  # [N] each response's last token carries the outcome reward
         rewards = torch.zeros_like(values).scatter_(1, last[:, None], scores[:, None])  # [N, L]
-        advantages, targets = vtrace_advantages(rewards, values, trace_c, mask, args.gamma, args.gae_lambda)
+        advantages, targets = vtrace_advantages(rewards, values, trace_c, mask, args.gamma,
+                                                args.gae_lambda)  # [N, L] each
         advantages = whiten(advantages, mask, dist.all_reduce)  # [N, L]
         for s, target in zip(batch, targets):
             s["value_targets"] = target[: len(s["response_ids"])]
@@ -543,61 +626,67 @@ def compute_advantages(batch: list[dict], args: Args) -> dict:
         advantages = grpo_token_advantages(a_hat, trace_c, mask, args.grpo_vtrace)  # [N, L]
     for s, adv in zip(batch, advantages):
         s["advantages"] = adv[: len(s["response_ids"])]
-    return {"mask": mask, "trace_c": trace_c, "log_ratio": prox - behaviour, "advantages": advantages,
-            "historical": torch.tensor([s["historical"] for s in batch], dtype=torch.bool)}  # [N]
+    historical = torch.tensor([s["historical"] for s in batch], dtype=torch.bool)  # [N]
+    return {"mask": mask, "trace_c": trace_c, "log_ratio": prox - behaviour,
+            "advantages": advantages, "historical": historical}
 
 
 def offpolicy_diagnostics(adv: dict, fresh: list[dict], args: Args) -> dict[str, torch.Tensor]:
-    """This rank's off-policy diagnostics (docs/metrics.md), on the historical samples and the fresh ones."""
-    old, mask, abs_adv = adv["historical"], adv["mask"], adv["advantages"].abs()  # [N], [N, L], [N, L]
+    """This rank's off-policy diagnostics (docs/metrics.md), on the historical samples and on
+    the fresh ones."""
+    old, mask = adv["historical"], adv["mask"]  # [N], [N, L]
+    abs_adv = adv["advantages"].abs()  # [N, L]
     log_ratio = adv["log_ratio"][old][mask[old]]  # [historical tokens] log(pi_k / mu)
-    rewards = torch.tensor([s["reward"] for s in fresh]).view(-1, args.group_size)  # [fresh groups, G]
-    return {"log_ratio": log_ratio, "trace_cut": log_ratio.exp() > args.vtrace_c_bar,  # c_t < pi_k/mu
-            "trace_prod": adv["trace_c"][old].log().sum(-1).exp(),  # [historical responses] prod over t of c_t
-            "abs_adv_historical": abs_adv[old][mask[old]], "abs_adv_fresh": abs_adv[~old][mask[~old]],  # [tokens]
-            "zero_spread": rewards.std(-1) == 0 if args.group_size > 1 else torch.zeros(0, dtype=torch.bool)}
+    rewards = torch.tensor([s["reward"] for s in fresh])
+    rewards = rewards.view(-1, args.group_size)  # [fresh groups, G]
+    no_groups = torch.zeros(0, dtype=torch.bool)
+    return {"log_ratio": log_ratio,
+            "trace_cut": log_ratio.exp() > args.vtrace_c_bar,  # c_t < pi_k/mu
+            "trace_prod": adv["trace_c"][old].log().sum(-1).exp(),  # [historical responses]
+            "abs_adv_historical": abs_adv[old][mask[old]],  # [tokens]
+            "abs_adv_fresh": abs_adv[~old][mask[~old]],  # [tokens]
+            "zero_spread": rewards.std(-1) == 0 if args.group_size > 1 else no_groups}
 
 
-def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd: int, step: int, args: Args) -> dict:
-    """6. utd passes (Decision 13), each a new random order of the batch cut into mini-batches of mini_batch_prompts
-    prompts' responses, one optimizer step each on Eq. 6 and the value loss. Each term is the token mean over the
-    mini-batch, all ranks: a micro-batch's mean times its token share, times the world size (FSDP averages ranks)."""
-    nets, stats = [net for net in (policy, critic) if net is not None], collections.defaultdict(list)
-    for net in nets:  # training mode: transformers checkpoints activations only then (no dropout here)
+def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd: int, step: int,
+           args: Args) -> dict:
+    """6. utd passes (Decision 13), each a new random order of the batch cut into mini-batches of
+    mini_batch_prompts prompts' responses, one optimizer step each on objective(): Eq. 6 and the
+    value loss. Each term is the token mean over the mini-batch, all ranks: a micro-batch's mean
+    times its token share, times the world size (FSDP averages the ranks' gradients)."""
+    nets = [net for net in (policy, critic) if net is not None]
+    stats = collections.defaultdict(list)
+    stored = ["behaviour_logp", "prox_logp", "advantages"]  # [L] fields objective() reads
+    stored += ["ref_logp"] if args.kl_beta else []  # none without a reference model
+    stored += ["sampler_weight"] if args.sampler_is_cap is not None else []
+    stored += ["values", "value_targets"] if critic is not None else []
+    for net in nets:  # training mode: transformers checkpoints activations only then (no dropout)
         net.train()
+    responses = args.mini_batch_prompts * args.group_size  # a mini-batch's, over all ranks
     for epoch in range(utd):
-        for rows in dist.mini_batches(batch, args.mini_batch_prompts * args.group_size, args.seed, step, epoch):
-            size = dist.all_reduce(aggregation(models.response_mask(rows))[1])  # the mini-batch's, all ranks
-            terms = collections.defaultdict(float)  # each logged term, summed with its micro-batch's share
+        for rows in dist.mini_batches(batch, responses, args.seed, step, epoch):
+            # the mini-batch's size, all ranks
+            size = dist.all_reduce(aggregation(models.response_mask(rows))[1])
+            means = collections.defaultdict(float)  # each logged term's mean, share by share
             for micro in dist.micro_batches(rows, args.max_tokens_per_micro_batch):
+                # token rows [n, P + l], response_mask [n, l], historical [n]
                 mb = models.collate(micro)
-                mask, historical = mb["response_mask"], mb["historical"]  # [n, l]; [n], True on replayed samples
-                share = aggregation(mask)[1] / size  # the micro-batch's part of the mini-batch's token mean
-                behaviour, prox, adv = (models.padded(micro, k) for k in ("behaviour_logp", "prox_logp", "advantages"))
-                weights = models.padded(micro, "sampler_weight") if args.sampler_is_cap is not None else None
-                logp, entropy = policy_forward(policy, mb, args.temperature)  # [n, l] log pi_theta, H(pi_theta)
-                pg_loss, pg_stats = mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights, historical)
-                entropy = masked_mean(entropy, mask)
-                kl = {"losses/policy_loss": pg_loss, "losses/entropy": entropy, "losses/clipfrac": pg_stats["clipfrac"],
-                      "losses/approx_kl": pg_stats["approx_kl"], "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
-                klc = torch.zeros((), device=logp.device)
-                if args.kl_beta:
-                    ref = models.padded(micro, "ref_logp")  # [n, l] pi_ref
-                    klc = kl_convex_loss(logp, ref, prox, lam, mask)
-                    kl.update({"losses/kl_convex": klc, "kl/ref": masked_mean(k3_kl(logp, ref), mask)})
-                (policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta) * share * dist.world()).backward()
+                mb.update({key: models.padded(micro, key) for key in stored})  # [n, l] each
+                mb["logp"], mb["entropy"] = policy_forward(policy, mb, args.temperature)  # [n, l]
                 if critic is not None:
-                    value_loss = clipped_value_loss(critic_forward(critic, mb), models.padded(micro, "values"),
-                                                    models.padded(micro, "value_targets"), mask, args.value_clip)
-                    (value_loss * share * dist.world()).backward()  # FSDP's mean over ranks: times the world
-                    kl["losses/value_loss"] = value_loss
-                for name, term in kl.items():
-                    terms[name] += float(term.detach()) * float(share)  # summed over the ranks by guard
-            norms = [dist.clip_grad_norm(net, args.max_grad_norm) for net in nets]  # each model's global norm
-            if models.finite_update(terms, norms, stats, step):  # else skipped; 3 in a row stop the run
+                    mb["new_values"] = critic_forward(critic, mb)  # [n, l] V(s_t) being fitted
+                losses, logged = objective(mb, lam, args)
+                share = aggregation(mb["response_mask"])[1] / size  # of the mini-batch's token mean
+                # the critic's first: its graph is freed before the policy's output layer's backward
+                for loss in reversed(losses.values()):
+                    (loss * share * dist.world()).backward()  # FSDP averages ranks: times the world
+                for name, term in logged.items():
+                    means[name] += float(term.detach()) * float(share)  # guard sums the ranks'
+            norms = [dist.clip_grad_norm(net, args.max_grad_norm) for net in nets]  # each model's
+            if models.finite_update(means, norms, stats, step):  # else skipped; 3 in a row: stop
                 for optim in optimizers:
                     optim.step()
-            for optim in optimizers:  # no gradients held through the push, generation and no-grad passes
+            for optim in optimizers:  # no gradient held through push, generation, no-grad passes
                 optim.zero_grad(set_to_none=True)
     for net in nets:
         net.eval()
@@ -606,35 +695,42 @@ def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd:
 
 # ---- The training loop -----------------------------------------------------------------------
 def train(args: Args, on_step=None) -> dict:
-    """The whole run; on_step(step, record, policy, tokenizer, batch) runs after each step (the toy study's hook)."""
+    """The whole run; on_step(step, record, policy, tokenizer, batch) runs after each step
+    (the toy study's hook)."""
     session = runner.Session(args, METHOD)  # every check, then --out locked; a resumed run's state
     args, tokenizer = session.args, session.tokenizer
     policy, reference, critic = models.load(args, session.checkpoint)  # pi_theta, pi_ref, V
     optimizers = [models.optimizer(net, lr, args.weight_decay, args.offload)  # AdamW
-                  for net, lr in ((policy, args.actor_lr), (critic, args.critic_lr)) if net is not None]
-    llm = engines.start(args, session.max_model_len) if args.sampler == "vllm" else None  # vLLM, in this process
+                  for net, lr in ((policy, args.actor_lr), (critic, args.critic_lr))
+                  if net is not None]
+    # vLLM, in this process
+    llm = engines.start(args, session.max_model_len) if args.sampler == "vllm" else None
     replay = collections.deque(maxlen=args.window)  # the last N policies' fresh batches
-    session.restore(policy, reference, critic, optimizers, replay, llm)  # a resumed run's weights, deque, RNGs
+    # a resumed run's weights, deque, RNGs
+    session.restore(policy, reference, critic, optimizers, replay, llm)
     with session:  # Ctrl-C, SIGTERM: one line naming the last checkpoint; the evaluation at step 0
         for step in session.steps():
             mixing, p, utd = stage(step, args)
-            n_fresh = round((1.0 - p) * args.prompts_per_step)  # prompts over all ranks; the rest from the deque
+            n_fresh = round((1.0 - p) * args.prompts_per_step)  # all ranks'; the rest: the deque's
             # 1. sample G responses from pi_k to each of (1-p)*B fresh prompts, and 2. score them
             groups = sample(llm, policy, tokenizer, session.next_prompts(n_fresh), step, args)
             fresh = [s for group in groups for s in group]
             score(fresh, tokenizer, args)
-            engines.sleep(llm)  # GPU sleep mode: the engine's memory is the trainer's until the push
+            engines.sleep(llm)  # GPU sleep mode: the engine's memory is the trainer's until push
             session.lap("gen")
-            # 3. mu and pi_ref's log-probs; 4. the whole groups of p*B historical prompts (Decision 17), pi_k, values
+            # 3. mu and pi_ref's log-probs; 4. the whole groups of p*B historical prompts
+            # (Decision 17), pi_k, values
             behaviour_and_reference(fresh, policy, reference, args)
-            history = [s for g in draw_history(replay, dist.per_rank(args.prompts_per_step - n_fresh)) for s in g]
-            if p > 0:  # the deque stores fresh batches, while they can be replayed, and drops the oldest
+            n_history = dist.per_rank(args.prompts_per_step - n_fresh)  # this rank's groups
+            history = [s for group in draw_history(replay, n_history) for s in group]
+            if p > 0:  # the deque stores fresh batches while they can be replayed; drops the oldest
                 replay.append(groups)
             batch = fresh + history
             prox_and_values(fresh, history, policy, critic, args)
             # 5. advantages, 6. utd passes of Mix-PPG + KL-Convex updates
-            diagnostics = offpolicy_diagnostics(compute_advantages(batch, args), fresh, args)  # and what it met
-            lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every) if args.kl_convex else 1.0
+            diagnostics = offpolicy_diagnostics(compute_advantages(batch, args), fresh, args)
+            lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every)  # Eq. 5
+            lam = lam if args.kl_convex else 1.0  # --no-kl-convex: KL to the reference alone
             stats = update(batch, policy, critic, optimizers, lam, utd, step, args)
             session.lap("trainer")
             # 7. push pi_{k+1} into the sampler; 8. reincarnation at T
@@ -643,12 +739,14 @@ def train(args: Args, on_step=None) -> dict:
             if args.reincarnation and step == args.reincarnate_step:
                 reincarnate(policy, reference, replay)
             # 9. log; evaluate every --eval-every steps; save every --save-every steps
-            record = {"step": step, "phase": "mix" if mixing else "on-policy", "kl_convex/lambda": lam,
-                      "train/utd": utd, "replay/deque_size": len(replay),
+            record = {"step": step, "phase": "mix" if mixing else "on-policy",
+                      "kl_convex/lambda": lam, "train/utd": utd, "replay/deque_size": len(replay),
                       **logs.step_metrics(step, fresh, history, diagnostics, stats)}
-            session.end_step(record, fresh, history, RECOMPUTED, args.reincarnation and step >= args.reincarnate_step,
-                             on_step)  # on_step(step, record, policy, tokenizer, batch), then fields dropped, saved
-    return dict(policy=policy, reference=reference, critic=critic, replay=replay, llm=llm, tokenizer=tokenizer)
+            # on_step(step, record, policy, tokenizer, batch); the recomputed fields dropped; saved
+            session.end_step(record, fresh, history, RECOMPUTED, on_step=on_step,
+                             reincarnated=args.reincarnation and step >= args.reincarnate_step)
+    return dict(policy=policy, reference=reference, critic=critic, replay=replay, llm=llm,
+                tokenizer=tokenizer)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ Where each piece of the paper is tested:
     Sec. 3 GRPO advantage (Decision 4)       test_group_advantages_by_hand, test_grpo_advantage_survives_a_4000_...
     Eq. 4 Mix-PPG                            test_mix_ppg_is_ppo_clip_on_fresh_samples, test_mix_ppg_clip_is_centred_...
     the log-ratio clamp (verl's)             test_the_log_ratio_clamp_changes_nothing_in_the_normal_range, test_a_...
-    Eq. 6 objective, UTD m, reincarnation    test_policy_objective_is_eq6, test_ppo_hf_batch_mix_and_utd,
-                                             test_grpo_reincarnation, test_more_update_passes_move_the_weights_further
+    Eq. 6 objective, UTD m, reincarnation    test_objective_is_eq6_and_the_value_loss_by_hand,
+                                             test_a_fork_zeroing_every_loss_of_the_objective_zeroes_every_gradient,
+                                             test_ppo_hf_batch_mix_and_utd, test_grpo_reincarnation,
+                                             test_more_update_passes_move_the_weights_further
     replay deque, p and N                    test_draw_history_*, test_the_loop_replays_exactly_what_draw_history_drew_...
     behaviour log-probs (Decision 1), pi_k   test_spied_steps_match_independent_recomputation
     per-request seeds, sampler correction    test_request_seeds_*, test_sampler_is_weight_by_hand
@@ -555,9 +557,35 @@ def test_clipped_value_loss_by_hand():
 # ----------------------------------------------------------------------------------------------
 # Eq. 6, the objective; the update-to-data passes; policy reincarnation at T
 # ----------------------------------------------------------------------------------------------
-def test_policy_objective_is_eq6():
-    assert remix.policy_objective(torch.tensor(0.3), torch.tensor(2.0), torch.tensor(0.5), 0.01, 0.1).item() == \
-        pytest.approx(0.3 - 0.01 * 2.0 + 0.1 * 0.5)
+def hand_worked_micro_batch() -> dict:
+    """One response of two tokens and a padded third (its numbers are garbage, masked out): pi_theta = mu = pi_k, so
+    r = c = 1; A = (2, -1); entropy (1, 3); pi_ref doubles the first token's probability; under PPO new values (1, 0)
+    against values (0, 0) and targets (2, 0.4)."""
+    t = lambda *row: torch.tensor([row])  # noqa: E731  [1, 3]
+    return {"logp": t(0.0, 0.0, 5.0), "behaviour_logp": t(0.0, 0.0, 0.0), "prox_logp": t(0.0, 0.0, 0.0),
+            "advantages": t(2.0, -1.0, 9.0), "entropy": t(1.0, 3.0, 99.0), "ref_logp": t(math.log(2.0), 0.0, 7.0),
+            "response_mask": t(True, True, False), "historical": torch.tensor([False]),
+            "new_values": t(1.0, 0.0, 4.0), "values": t(0.0, 0.0, 0.0), "value_targets": t(2.0, 0.4, -3.0)}
+
+
+def test_objective_is_eq6_and_the_value_loss_by_hand():
+    """Eq. 6 on the hand-worked micro-batch, lambda 0.7, ent_coef 0.01, beta 0.1: L_mix = -(2 - 1) / 2 = -0.5;
+    H = (1 + 3) / 2 = 2; k3 to pi_ref: (2 - ln 2 - 1, 0) -> 0.15343, to pi_k 0, so L_klc = 0.7 * 0.15343; the value
+    loss 0.5 * (max(1, 2.25) + 0.16) / 2 = 0.6025 (clip 0.5: V = 1 clipped to 0.5)."""
+    args = remix.Args(ent_coef=0.01, kl_beta=0.1, clip_eps=0.2, value_clip=0.5)
+    losses, logged = remix.objective(hand_worked_micro_batch(), 0.7, args)
+    k3_ref = (2.0 - math.log(2.0) - 1.0) / 2
+    assert set(losses) == {"policy", "critic"}
+    assert losses["policy"].item() == pytest.approx(-0.5 - 0.01 * 2.0 + 0.1 * 0.7 * k3_ref, rel=1e-6)
+    assert losses["critic"].item() == pytest.approx(0.5 * (2.25 + 0.16) / 2, rel=1e-6)
+    expected = {"losses/policy_loss": -0.5, "losses/entropy": 2.0, "losses/clipfrac": 0.0, "losses/approx_kl": 0.0,
+                "kl/prox": 0.0, "losses/kl_convex": 0.7 * k3_ref, "kl/ref": k3_ref, "losses/value_loss": 0.6025}
+    assert {k: v.item() for k, v in logged.items()} == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    # GRPO (no new_values) has no critic loss; beta = 0 reads no reference log-probs and logs no KL-Convex
+    mb = {k: v for k, v in hand_worked_micro_batch().items() if k not in ("new_values", "ref_logp")}
+    losses, logged = remix.objective(mb, 0.7, dataclasses.replace(args, kl_beta=0.0))
+    assert set(losses) == {"policy"} and "losses/kl_convex" not in logged and "losses/value_loss" not in logged
+    assert losses["policy"].item() == pytest.approx(-0.5 - 0.01 * 2.0, rel=1e-6)
 
 
 def test_ppo_hf_batch_mix_and_utd(tiny_model, train_file, tmp_path):
@@ -751,7 +779,7 @@ class Spy:
     kept with the step it belongs to; the models are copied at the start of every step."""
 
     NAMES = ("mix_ppg_loss", "kl_convex_loss", "vtrace_advantages", "whiten", "group_advantages",
-             "grpo_token_advantages", "clipped_value_loss", "policy_objective", "policy_forward", "critic_forward",
+             "grpo_token_advantages", "clipped_value_loss", "objective", "policy_forward", "critic_forward",
              "kl_convex_lambda")
 
     def __init__(self, monkeypatch):
@@ -869,7 +897,7 @@ def test_spied_steps_match_independent_recomputation(algo, tiny_model, train_fil
         # what each micro-batch's losses received
         by_key = {key_of(s): s for s in batch}
         forwards = spy.of("policy_forward", step)
-        losses, kls, objectives = spy.of("mix_ppg_loss", step), spy.of("kl_convex_loss", step), spy.of("policy_objective", step)
+        losses, kls, objectives = spy.of("mix_ppg_loss", step), spy.of("kl_convex_loss", step), spy.of("objective", step)
         assert len(losses) == len(kls) == len(objectives) > 0
         lam = remix.kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every)
         assert lam < 1.0
@@ -887,12 +915,18 @@ def test_spied_steps_match_independent_recomputation(algo, tiny_model, train_fil
                 if i == 0:  # the first micro-batch of the step runs pi_k itself
                     assert close(logp[j, :n].detach(), prox[k])
             assert kl[2][3] == pytest.approx(lam) and kl[2][0] is logp
-            pg, ent, klc, ent_coef, beta = objective[2]
-            assert pg is loss[4][0] and klc is kl[4] and (ent_coef, beta) == (args.ent_coef, args.kl_beta)
-            assert ent.item() == pytest.approx(remix.masked_mean(entropy, mask_arg).item(), rel=1e-6)
+            (mb, lam_arg, _), (backpropagated, logged) = objective[2], objective[4]
+            assert mb["logp"] is logp and lam_arg == pytest.approx(lam)
+            ent = remix.masked_mean(entropy, mask_arg)  # Eq. 6 from the spied terms and the run's coefficients
+            assert backpropagated["policy"].item() == pytest.approx(
+                (loss[4][0] - args.ent_coef * ent + args.kl_beta * kl[4]).item(), rel=1e-6, abs=1e-9)
+            assert logged["losses/entropy"].item() == pytest.approx(ent.item(), rel=1e-6)
+            assert ("critic" in backpropagated) == (algo == "ppo")
         if algo == "ppo":
-            for (_, _, fwd, _, _), (_, _, v_args, _, _) in zip([f for f in spy.of("critic_forward", step)
-                                                                 if f[4].requires_grad], spy.of("clipped_value_loss", step)):
+            for (_, _, fwd, _, new_values), (_, _, v_args, _, v_loss), objective in zip(
+                    [f for f in spy.of("critic_forward", step) if f[4].requires_grad],
+                    spy.of("clipped_value_loss", step), objectives):
+                assert v_args[0] is new_values and objective[4][0]["critic"] is v_loss  # the critic's own pass
                 for j, row in enumerate(rows_of(fwd[1])):
                     s, n = by_key[row], len(by_key[row]["response_ids"])
                     assert close(v_args[1][j, :n], values[row]) and close(v_args[2][j, :n], targets[row].float(), 1e-4)
@@ -1106,6 +1140,61 @@ def test_a_large_kl_coefficient_pulls_the_policy_to_the_reference(grpo_case):
 def test_update_releases_every_gradient(grpo_case):
     _, policy, _ = rerun_update(grpo_case)
     assert all(p.grad is None for p in policy.parameters())
+
+
+def gradients_at_each_step(tiny_model, monkeypatch, objective) -> list[dict]:
+    """One PPO update pass with KL-Convex on (lambda 0.7, beta 0.1) over four samples, two of them replayed (pi_k
+    differs from mu, and pi_ref from both), under `objective`; returns, at each optimizer step, every parameter's
+    gradient of the policy and of the critic as it reaches the step (None where a parameter has none)."""
+    monkeypatch.setattr(remix, "objective", objective)
+    dist.init()
+    args = remix.finalize_args(remix.Args(model=tiny_model, algo="ppo", sampler="hf", kl_beta=0.1, ent_coef=0.01,
+                                          mini_batch_prompts=2, out="unused"))
+    policy, reference, critic = models.load(args)
+    optimizers = [models.optimizer(net, 1e-3, 0.01, False) for net in (policy, critic)]
+    whole = lambda g: None if g is None else g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731
+    seen = []
+
+    policy_step = optimizers[0].step  # the policy's step comes first: both models' gradients are complete there
+
+    def step(*a, **k):
+        seen.append({name: [whole(q.grad) for q in net.parameters()]
+                     for name, net in (("policy", policy), ("critic", critic))})
+        return policy_step(*a, **k)
+
+    optimizers[0].step = step
+    g = torch.Generator().manual_seed(0)
+    batch = []
+    for i, n in enumerate((5, 7, 6, 8)):
+        ids = torch.randint(3, policy.config.vocab_size, (6 + n,), generator=g).tolist()
+        behaviour = -3.0 - torch.rand(n, generator=g)
+        batch.append({"prompt_ids": ids[:6], "response_ids": ids[6:], "historical": i >= 2, "group": i, "reward": 1.0,
+                      "behaviour_logp": behaviour, "prox_logp": behaviour + (0.3 * torch.randn(n, generator=g)
+                                                                             if i >= 2 else 0.0),
+                      "ref_logp": -3.0 - torch.rand(n, generator=g), "advantages": torch.randn(n, generator=g),
+                      "values": torch.randn(n, generator=g), "value_targets": torch.randn(n, generator=g)})
+    remix.update(batch, policy, critic, optimizers, 0.7, 1, 1, args)
+    return seen
+
+
+def test_a_fork_zeroing_every_loss_of_the_objective_zeroes_every_gradient(tiny_model, monkeypatch):
+    """Every loss of the update goes through objective(): a fork of it that multiplies each loss it returns by zero
+    leaves every gradient of a PPO step zero, the policy's and the critic's, with KL-Convex on; unforked, both
+    models' gradients are not zero (the same batch and models)."""
+    real = remix.objective
+
+    def times_zero(mb, lam, args):
+        losses, logged = real(mb, lam, args)
+        return {name: 0.0 * loss for name, loss in losses.items()}, logged
+
+    for fork, zero in ((times_zero, True), (real, False)):
+        steps = gradients_at_each_step(tiny_model, monkeypatch, fork)
+        assert len(steps) == 2  # four samples, two a mini-batch
+        for grads in steps:
+            for name in ("policy", "critic"):
+                assert all(grad is not None for grad in grads[name]), name  # each parameter reached the backward
+                nonzero = sum(int(torch.count_nonzero(grad)) for grad in grads[name])
+                assert (nonzero == 0) == zero, (name, nonzero)
 
 
 # ----------------------------------------------------------------------------------------------

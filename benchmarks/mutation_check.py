@@ -29,21 +29,26 @@ SLEEP_TESTS = ("tests/test_sleep_mode.py::test_training_with_sleep_mode_runs_eve
 # name -> (file, exact original text, mutated text[, the tests that run instead of FAST_TESTS])
 MUTANTS = {
     "mu where pi_k belongs in Mix-PPG (the clip centred at 1)": (
-        "remix.py", "mix_ppg_loss(logp, behaviour, prox, adv, mask, args.clip_eps, weights, historical)",
-        "mix_ppg_loss(logp, behaviour, behaviour, adv, mask, args.clip_eps, weights, historical)"),
+        "remix.py", 'mix_ppg_loss(logp, mb["behaviour_logp"], prox, mb["advantages"], mask,',
+        'mix_ppg_loss(logp, mb["behaviour_logp"], mb["behaviour_logp"], mb["advantages"], mask,'),
     "ref and prox swapped in KL-Convex": (
-        "remix.py", "klc = kl_convex_loss(logp, ref, prox, lam, mask)", "klc = kl_convex_loss(logp, prox, ref, lam, mask)"),
+        "remix.py", "kl_convex = kl_convex_loss(logp, ref, prox, lam, mask)",
+        "kl_convex = kl_convex_loss(logp, prox, ref, lam, mask)"),
     "PPO advantages not whitened": (
         "remix.py", "advantages = whiten(advantages, mask, dist.all_reduce)  # [N, L]", "advantages = advantages  # [N, L]"),
     "entropy bonus with the wrong sign": (
-        "remix.py", "return mix_ppg - ent_coef * entropy + beta * kl_convex",
-        "return mix_ppg + ent_coef * entropy + beta * kl_convex"),
+        "remix.py", "mix_ppg - args.ent_coef * entropy + args.kl_beta * kl_convex",
+        "mix_ppg + args.ent_coef * entropy + args.kl_beta * kl_convex"),
     "KL-Convex term with the wrong sign": (
-        "remix.py", "return mix_ppg - ent_coef * entropy + beta * kl_convex",
-        "return mix_ppg - ent_coef * entropy - beta * kl_convex"),
-    "entropy passed negated to the objective": (
-        "remix.py", "policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta)",
-        "policy_objective(pg_loss, -entropy, klc, args.ent_coef, args.kl_beta)"),
+        "remix.py", "mix_ppg - args.ent_coef * entropy + args.kl_beta * kl_convex",
+        "mix_ppg - args.ent_coef * entropy - args.kl_beta * kl_convex"),
+    "entropy read negated by the objective": (
+        "remix.py", 'entropy = masked_mean(mb["entropy"], mask)', 'entropy = masked_mean(-mb["entropy"], mask)'),
+    "the critic's loss computed beside the objective": (
+        "remix.py", "                losses, logged = objective(mb, lam, args)\n",
+        "                losses, logged = objective(mb, lam, args)\n                if critic is not None:\n"
+        "                    losses[\"critic\"] = clipped_value_loss(mb[\"new_values\"], mb[\"values\"], "
+        "mb[\"value_targets\"], mb[\"response_mask\"], args.value_clip)\n"),
     "later UTD passes counted but not stepped": (
         "remix.py", "                for optim in optimizers:\n                    optim.step()",
         "                for optim in optimizers if epoch == 0 else ():\n                    optim.step()"),
@@ -53,10 +58,10 @@ MUTANTS = {
         "remix.py", "prox_and_values(fresh, history, policy, critic, args)",
         "prox_and_values(fresh, history, reference, critic, args)"),
     "stored behaviour log-probs ignored in the loss (mu := pi_k)": (
-        "remix.py", '("behaviour_logp", "prox_logp", "advantages")', '("prox_logp", "prox_logp", "advantages")'),
+        "remix.py", 'mix_ppg_loss(logp, mb["behaviour_logp"], prox,', 'mix_ppg_loss(logp, prox, prox,'),
     "stored behaviour log-probs ignored in the traces (every c = 1)": (
-        "remix.py", 'behaviour, prox = models.padded(batch, "behaviour_logp", "cpu"),',
-        'behaviour, prox = models.padded(batch, "prox_logp", "cpu"),'),
+        "remix.py", 'behaviour = models.padded(batch, "behaviour_logp", "cpu")',
+        'behaviour = models.padded(batch, "prox_logp", "cpu")'),
     "outcome reward on the first response token": (
         "remix.py", "last = mask.sum(-1) - 1  # [N] each response's last token", "last = mask.sum(-1) * 0  # [N] each response's last token"),
     "truncated_trace called with its arguments swapped": (
@@ -69,9 +74,10 @@ MUTANTS = {
     "critic_forward reads V one position late": (
         "remix.py", 'return out[:, batch["prompt_len"] - 1 : -1, 0].float()', 'return out[:, batch["prompt_len"] :, 0].float()'),
     "critic trained toward its old values": (
-        "remix.py", 'models.padded(micro, "value_targets"), mask, args.value_clip)', 'models.padded(micro, "values"), mask, args.value_clip)'),
+        "remix.py", 'clipped_value_loss(mb["new_values"], mb["values"], mb["value_targets"],',
+        'clipped_value_loss(mb["new_values"], mb["values"], mb["values"],'),
     "micro-batch token weighting dropped": (
-        "remix.py", "share = aggregation(mask)[1] / size", "share = torch.tensor(1.0)"),
+        "remix.py", 'share = aggregation(mb["response_mask"])[1] / size', "share = torch.tensor(1.0)"),
     "draw_history takes the newest groups": (
         "remix.py", "return random.sample(stored, min(n_groups, len(stored)))",
         "return stored[len(stored) - min(n_groups, len(stored)):]"),
@@ -84,8 +90,8 @@ MUTANTS = {
         "remix.py", "lam * k3_kl(logp, ref_logp) + (1.0 - lam) * k3_kl(logp, prox_logp)",
         "(1.0 - lam) * k3_kl(logp, ref_logp) + lam * k3_kl(logp, prox_logp)"),
     "lambda(t) fixed at 1": (
-        "remix.py", "lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every) if args.kl_convex else 1.0",
-        "lam = 1.0"),
+        "remix.py", "lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every)  # Eq. 5",
+        "lam = 1.0  # Eq. 5"),
     "reincarnation keeps the base model as reference": (
         "remix.py", "    reference.load_state_dict(policy.state_dict())\n", "    pass\n"),
     "value targets without c_t": (
@@ -101,8 +107,8 @@ MUTANTS = {
     "gradients kept through generation": (
         "remix.py", "                optim.zero_grad(set_to_none=True)", "                optim.zero_grad(set_to_none=False)"),
     "the critic's value pass builds a KV cache": (
-        "remix.py", "out = critic(input_ids=batch[\"input_ids\"], attention_mask=batch[\"attention_mask\"], use_cache=False,",
-        "out = critic(input_ids=batch[\"input_ids\"], attention_mask=batch[\"attention_mask\"], use_cache=None,"),
+        "remix.py", 'position_ids=batch["position_ids"], use_cache=False).logits',
+        'position_ids=batch["position_ids"], use_cache=None).logits'),
     "unsharded() leaves every module resharding after forward": (
         "machinery/dist.py", "            state._auto_reshard_after_forward = auto\n",
         "            state._auto_reshard_after_forward = auto\n            m.set_reshard_after_forward(True)\n"),

@@ -83,10 +83,10 @@ def memory_child(length: int, chunked: bool) -> dict:
     open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from here
     base, start = rss("VmRSS"), time.perf_counter()
     try:
-        logp, entropy = remix.policy_forward(model, batch, 1.0)
-        pg, _ = remix.mix_ppg_loss(logp, behaviour, behaviour, advantages, mask)
-        klc = remix.kl_convex_loss(logp, behaviour, behaviour, 0.7, mask)
-        remix.policy_objective(pg, remix.masked_mean(entropy, mask), klc, 0.001, 0.001).backward()
+        batch["logp"], batch["entropy"] = remix.policy_forward(model, batch, 1.0)
+        batch.update(behaviour_logp=behaviour, prox_logp=behaviour, ref_logp=behaviour, advantages=advantages)
+        args = remix.Args(ent_coef=0.001, kl_beta=0.001)
+        remix.objective(batch, 0.7, args)[0]["policy"].backward()  # Eq. 6, Mix-PPG + KL-Convex
     except (MemoryError, RuntimeError) as error:
         return {"length": length, "chunked": chunked, "peak_gib": None, "error": str(error).splitlines()[0][:120]}
     return {"length": length, "chunked": chunked, "peak_gib": (rss("VmHWM") - base) / GIB,

@@ -144,13 +144,20 @@ def layer_activation(shape: Shape, b: int, width: int) -> float:
 
 
 def activations(shape: Shape, tokens: int, width: int, b: int, checkpointing: bool) -> float:
-    """One micro-batch's activations in the policy's backward: every layer's (checkpointed: each layer's input, and
-    one layer recomputed), the embeddings and final norm ((4 + 1.5b)H), the boolean mask (width bytes), and the
-    gradient flowing back through one layer (2b(H + I))."""
-    layer = layer_activation(shape, b, width)
-    per_token = shape.layers * b * shape.hidden + layer if checkpointing else shape.layers * layer
-    per_token += (4 + 1.5 * b) * shape.hidden + width + 2 * b * (shape.hidden + shape.intermediate)
-    return tokens * per_token
+    """One micro-batch's activations in the policy's backward: what its forward kept (retained_activations), one
+    layer recomputed when checkpointed, and the gradient flowing back through one layer (2b(H + I))."""
+    recomputed = layer_activation(shape, b, width) if checkpointing else 0
+    per_token = recomputed + 2 * b * (shape.hidden + shape.intermediate)
+    return retained_activations(shape, tokens, width, b, checkpointing) + tokens * per_token
+
+
+def retained_activations(shape: Shape, tokens: int, width: int, b: int, checkpointing: bool) -> float:
+    """What a forward of one micro-batch keeps for its backward: every layer's activations (checkpointed: each
+    layer's input), the embeddings and final norm ((4 + 1.5b)H) and the boolean mask (width bytes). The critic's
+    forward keeps as much through the policy's backward under PPO: the method's objective takes both models'
+    outputs of a micro-batch before either backward runs."""
+    per_layer = b * shape.hidden if checkpointing else layer_activation(shape, b, width)
+    return tokens * (shape.layers * per_layer + (4 + 1.5 * b) * shape.hidden + width)
 
 
 def output_layer(shape: Shape, tokens: int, b: int) -> float:
@@ -199,6 +206,7 @@ def memory(shape: Shape, args, world: int, offload: bool, gpu: bool, device_byte
              "reference": b * shape.params / world if args.kl_beta != 0 else 0.0,
              "gathered weights": 2 * b * (shape.root_params + 2 * shape.layer_params),
              "activations": activations(shape, tokens, width, b, checkpointing),
+             "critic activations": retained_activations(shape, tokens, width, b, checkpointing) if ppo else 0.0,
              "output layer": output_layer(shape, tokens, b),
              # FSDP2's CPU offload: the largest group's (the root's: embeddings, head) shards in fp32 on their way to
              # the GPU, cast there (an upper bound: they go one tensor at a time), and its fp32 gradient shards on
@@ -223,7 +231,8 @@ def memory(shape: Shape, args, world: int, offload: bool, gpu: bool, device_byte
     parts["runtime"] = CUDA_RUNTIME if gpu else PROCESS_HOST
     resident = parts["weights (fp32 masters)"] + parts["AdamW moments (fp32)"] + parts["reference"] + parts["runtime"]
     awake = vllm and not (gpu and args.vllm_sleep)  # transformers' sampler gathers the policy only to generate
-    backward = parts["gathered weights"] + parts["activations"] + parts["output layer"] + parts["offload copies (fp32)"]
+    backward = parts["gathered weights"] + parts["activations"] + parts["critic activations"] + parts["output layer"] \
+        + parts["offload copies (fp32)"]
     update = resident + parts["gradients (fp32)"] + max(backward, parts["optimizer step (fp32)"]) \
         + (parts["engine"] if awake else 0.0)
     generation = resident + parts["engine"] + parts["generation cache"]

@@ -60,7 +60,8 @@ def test_the_paper_models_parameters_and_checkpoint_by_hand():
 
 def test_the_paper_models_memory_per_gpu_by_hand():
     """Per rank: the states sharded over the ranks; the activations of a 16,384-token micro-batch with checkpointing
-    (each layer's bf16 input, one layer recomputed with its mask bias of the 9,216-token row); the engine's share."""
+    (each layer's bf16 input, one layer recomputed with its mask bias of the 9,216-token row), and the critic's
+    forward's kept beside them; the engine's share."""
     shape = plan.shape_of(R1_15B)
     P, Pc, H, I, L, V = shape.params, shape.critic_params, 1536, 8960, 28, 151936
     for world in (1, 2, 8):
@@ -72,12 +73,15 @@ def test_the_paper_models_memory_per_gpu_by_hand():
     layer = 8 * H + 8 * 2 * H + 4 * 2 * I + 2 * 9216 + 24
     per_token = L * 2 * H + layer + (4 + 3) * H + 9216 + 4 * (H + I)
     assert parts["activations"] == 16384 * per_token
+    # PPO's critic: its forward's layer inputs, embeddings, final norm and mask, kept through the policy's backward
+    assert parts["critic activations"] == 16384 * (L * 2 * H + (4 + 3) * H + 9216)
+    assert plan.memory(shape, paper_args(algo="grpo"), 1, False, True, 80e9)["parts"]["critic activations"] == 0
     assert parts["output layer"] == 5 * 1024 * V * 4 + 2 * 16384 * H * 2 + 4 * V * H
     m = plan.memory(shape, paper_args(), 1, False, True, 80e9)  # one GPU from here on
     parts = m["parts"]
     assert m["tokens"] == 16384 and m["width"] == 9216  # 256 rows of a mini-batch hold more: the flag bounds it
     assert parts["optimizer step (fp32)"] == 4 * P  # the foreach AdamW's intermediate over the larger model
-    backward = parts["gathered weights"] + parts["activations"] + parts["output layer"]
+    backward = parts["gathered weights"] + parts["activations"] + parts["critic activations"] + parts["output layer"]
     resident = parts["weights (fp32 masters)"] + parts["AdamW moments (fp32)"] + parts["reference"] + 1.5e9
     assert m["update"] == resident + parts["gradients (fp32)"] + max(backward, 4 * P)
     offloaded = plan.memory(shape, paper_args(), 1, True, True, 80e9)

@@ -164,12 +164,11 @@ def fork_with_a_flag(folder):
 
     source = (ROOT / "remix.py").read_text()
     field = '    ent_coef: float = 0.001\n    """in [0, 1e6]: coefficient of the entropy bonus"""\n'
-    call = "policy_objective(pg_loss, entropy, klc, args.ent_coef, args.kl_beta)"
-    assert source.count(field) == 1 and source.count(call) == 1
+    term = "- args.ent_coef * entropy"  # in objective(), Eq. 6's entropy bonus
+    assert source.count(field) == 1 and source.count(term) == 1
     source = source.replace(field, field + '    extra_entropy: float = 0.0\n    """in [0, 10]: added to --ent-coef"""\n'
                             '    extra_switch: bool = False\n    """read by nothing"""\n')
-    source = source.replace(call, "policy_objective(pg_loss, entropy, klc, args.ent_coef + args.extra_entropy, "
-                                  "args.kl_beta)")
+    source = source.replace(term, "- (args.ent_coef + args.extra_entropy) * entropy")
     path = folder / "remix_mine.py"
     path.write_text(source)
     return path
