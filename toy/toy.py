@@ -7,7 +7,7 @@
     python toy/toy.py --pin docs/toy/pinned_curve.json   # the short run tests/test_toy.py compares bit for bit
     python toy/toy.py --method remix_mine.py   # a fork beside remix.py: about 10 minutes on 2 idle cores
     python toy/toy.py --method remix_mine.py --method-args="--my-flag 0.3"   # with flags of its own, for its runs
-    python toy/toy.py --forks --seeds 5 --out runs/forks   # every fork of docs/forks against remix.py: forks.md
+    python toy/toy.py --forks --out runs/forks   # every fork of docs/forks against remix.py: forks.md
 
 The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.py's answer check (evaluation.math_reward).
 The base model is a tiny Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed
@@ -883,7 +883,23 @@ FORK_CHANGES = {
 FORK_ALGOS = {"grpo_informative_groups": ("grpo",), "dr_grpo": ("grpo",)}  # the rest: GRPO and PPO
 FORK_ARGS: dict[str, str] = {}
 # why the toy does not resolve a fork (forks.md): what the fork acts on, against what the toy's runs hold
-FORK_WHY: dict[str, str] = {}
+SPREAD = "the difference is within what 3 seeds resolve (--seeds narrows the interval)"
+FORK_WHY: dict[str, str] = {
+    "clip_centred_at_one": f"it clips otherwise only where a sample's pi_k/mu is away from 1 (a replayed one); {SPREAD}",
+    "dapo_clip_higher": f"the loss changes only where a token's ratio lies between the two upper bounds; {SPREAD}",
+    "dr_grpo": "its fixes act on responses' lengths, and the toy's are short and close (about 11 to 42 tokens, at "
+               f"most 48); {SPREAD}",
+    "format_reward": "every target the base model learned from ends in a boxed answer, so the bonus rewards what it "
+                     f"already does; {SPREAD}",
+    "grpo_informative_groups": f"it acts only on groups whose 8 rewards are all equal; {SPREAD}",
+    "kl_precedent_previous_policy": "its change reaches the weights (the final weights differ at every seed) but no "
+                                    "sampled response: every step's reward, length and clip fraction, and the final "
+                                    "Pass@1, equal remix.py's at every seed",
+    "p_schedule": f"its cost is in rollouts (more fresh prompts before T), which the ratio shows; {SPREAD}",
+    "recency_weighted_replay": f"it reweighs a deque of a few recent batches (N = 2 here); {SPREAD}",
+    "sequence_mean": "a mean of token means and a token mean differ by the responses' lengths, short and close here "
+                     f"(about 11 to 42 tokens); {SPREAD}",
+}
 
 
 @dataclass
