@@ -110,14 +110,22 @@ def settings_type(method_args: type) -> type:
         name = sorted(shared)[0]
         fail(f"{method_args.__name__}.{name} ({inspect.getsourcefile(method_args)}) is a setting of the run too "
              f"(machinery's RunArgs): give the method's field another name")
-    return dataclasses.make_dataclass("Settings", [], bases=(RunArgs, method_args),
-                                      namespace={"__doc__": f"{method_args.__name__}'s fields and RunArgs'"})
+    return dataclasses.make_dataclass(
+        "Settings", [], bases=(RunArgs, method_args),
+        namespace={"__doc__": f"{method_args.__name__}'s fields and RunArgs'", "__module__": __name__,
+                   # pickled as its Args and its values: the class itself has no name to be found by
+                   "__reduce__": lambda args: (settings_of, (method_args, dataclasses.asdict(args)))})
 
 
 def settings(method_args: type, **values):
     """A run's settings in one call, every field of the method's Args and of RunArgs by its keyword, the others at
     their defaults: settings(remix.Args, steps=2, out="runs/x"). A keyword of neither (a misspelling) is a TypeError."""
     return settings_type(method_args)(**values)
+
+
+def settings_of(method_args: type, values: dict):
+    """settings() from a dict of fields (how a pickled run's settings come back)."""
+    return settings(method_args, **values)
 
 
 def saved(args) -> dict:

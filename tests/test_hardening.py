@@ -327,6 +327,7 @@ def test_a_run_is_built_in_one_call_and_a_misspelled_keyword_is_an_error():
     """flags.settings(Args, ...): the method's and the run's fields in one object, by keyword, the rest at their
     defaults; a keyword of neither class is a TypeError, and a method's Args alone is no run's settings."""
     import dataclasses
+    import pickle
 
     args = flags.settings(remix.Args, steps=2, group_size=4, sampler="hf", out="runs/x")
     assert isinstance(args, remix.Args) and isinstance(args, flags.RunArgs)
@@ -334,6 +335,7 @@ def test_a_run_is_built_in_one_call_and_a_misspelled_keyword_is_an_error():
     assert (args.window, args.seed) == (remix.Args.window, flags.RunArgs.seed)
     assert type(args) is type(flags.settings(remix.Args)) and len(dataclasses.fields(args)) == \
         len(dataclasses.fields(remix.Args)) + len(dataclasses.fields(flags.RunArgs))
+    assert pickle.loads(pickle.dumps(args)) == args  # as the one Args of before was (a class made at run time)
     for typo in ("stpes", "sampelr"):
         with pytest.raises(TypeError, match=typo):
             flags.settings(remix.Args, **{typo: 2})
