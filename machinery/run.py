@@ -1,6 +1,7 @@
-"""The run: a program's entry (main, cli) and the Session that ties the flags, the run folder, the logs, the
-metrics and the checkpoints to remix.train(). A reader of the method may skip this module: it decides nothing about
-what is computed, and takes what it needs of the method from the method's own contract."""
+"""The run: a program's entry (main; cli, a run's command line; parse, eval.py's and toy.py's) and the Session that
+ties the flags, the run folder, the logs, the metrics and the checkpoints to remix.train(). A reader of the method
+may skip this module: it decides nothing about what is computed, and takes what it needs of the method from the
+method's own contract."""
 
 import dataclasses
 import functools
