@@ -31,7 +31,6 @@ def hint(text: str):
     return arg(help_behavior_hint=text)
 
 
-
 @dataclasses.dataclass
 class RunArgs:
     """the run: model and data, devices and engines, output, evaluation (the method's settings are its Args)"""
@@ -97,7 +96,6 @@ class RunArgs:
     """folder of the benchmark files (default: the repository's data/benchmarks)"""
     log_completions: int = 4
     """in [0, 1048576]: responses of each step written to OUT/completions.jsonl (and wandb/TensorBoard); 0 none"""
-
 
 
 @functools.cache
