@@ -343,8 +343,8 @@ def start_sampler(args: EvalArgs, prompts: list[list[int]]):
     if args.sampler == "vllm":
         from machinery import engines
 
-        settings = load_method(args.method).Args(
-            model=args.model, seed=args.seed, vllm_tp=args.vllm_tp, precision=precision,
+        settings = flags.settings(
+            load_method(args.method).Args, model=args.model, seed=args.seed, vllm_tp=args.vllm_tp, precision=precision,
             max_prompt_tokens=max(map(len, prompts)), max_response_tokens=args.max_tokens, vllm_sleep=False,
             vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
         return engines.start(settings)
@@ -457,4 +457,4 @@ def main(args: EvalArgs) -> dict:
 
 
 if __name__ == "__main__":
-    runner.main(lambda: main(runner.cli(EvalArgs, PROG)), PROG)
+    runner.main(lambda: main(runner.parse(EvalArgs, PROG)), PROG)

@@ -39,23 +39,24 @@ from machinery import dist, engines, flags, grader, logs, models, runner
 
 @dataclass
 class Args:
-    # ---- the method (paper Sec. 3-4 and the authors' config) ----
+    """the method: what a reader of the paper sets (the run's settings: flags.RunArgs)"""
     algo: Literal["ppo", "grpo"] = "ppo"
     """PPO (critic, V-trace GAE) or GRPO (group-normalised outcome advantage, no critic)"""
     steps: int = 350
-    """number of training steps (rollout batches), in [1, 1000000]; with --resume, a larger value extends a run"""
-    prompts_per_step: Annotated[int | None, flags.hint("(default: 256 for PPO, 128 for GRPO)")] = None
-    """B, in [1, 65536]: prompts per step over all processes (fresh plus historical), each with group_size responses"""
+    """steps (rollout batches), in [1, 1000000]; with --resume, a larger value extends the run"""
+    prompts_per_step: Annotated[
+        int | None, flags.hint("(default: 256 for PPO, 128 for GRPO)")] = None
+    """B, in [1, 65536]: prompts per step on all processes, fresh + historical (G responses each)"""
     group_size: Annotated[int | None, flags.hint("(default: 1 for PPO, 8 for GRPO)")] = None
-    """responses per prompt, in [1, 1024] (>= 2 for GRPO)"""
+    """G, responses per prompt, in [1, 1024] (>= 2 for GRPO)"""
     off_policy_p: float = 0.4
-    """p, in [0, 1): the share of each batch's prompts drawn from the replay deque during the mix stage"""
+    """p, in [0, 1): the share of a batch's prompts drawn from the replay deque in the mix stage"""
     window: int = 2
     """N, in [1, 1000]: how many previous policies' batches the replay deque keeps"""
     utd: int = 2
-    """m, in [1, 1000]: update-to-data ratio, passes over each mix-stage batch (1 = the 'no higher UTD' ablation)"""
+    """m, in [1, 1000]: update-to-data ratio, passes over a mix-stage batch (1: 'no higher UTD')"""
     reincarnate_step: int = 100
-    """T, in [0, 1000000]: the last mix-stage step; after it the reference becomes pi_T and training is on-policy"""
+    """T, in [0, 1000000]: the last mix-stage step; after it pi_ref = pi_T, training on-policy"""
     reincarnation: bool = True
     """switch to on-policy training after T (--no-reincarnation is the paper's ablation)"""
     kl_convex: bool = True
@@ -77,7 +78,7 @@ class Args:
     vtrace_c_bar: float = 1.0
     """c_bar, in (0, 1e6]: the truncation of the V-trace coefficients"""
     grpo_vtrace: bool = False
-    """GRPO: scale A_hat by the product of later trace coefficients (vanishes on long responses; Decision 4)"""
+    """GRPO: A_hat times the product of the later c_t (vanishes on long responses; Decision 4)"""
     gamma: float = 1.0
     """discount factor, in (0, 1]"""
     gae_lambda: float = 1.0
@@ -91,9 +92,9 @@ class Args:
     max_grad_norm: float = 1.0
     """in (0, 1e6]: gradient-norm clip of both models"""
     mini_batch_prompts: int = 32
-    """in [1, 65536]: prompts whose responses form one mini-batch (one optimizer step), over all processes"""
+    """in [1, 65536]: prompts per mini-batch (one optimizer step), over all processes"""
     temperature: float = 1.0
-    """in [0.01, 100]: sampling temperature for training rollouts (log-probs use the same temperature)"""
+    """in [0.01, 100]: sampling temperature of training rollouts (log-probs use it too)"""
     top_p: float = 1.0
     """nucleus sampling, in (0, 1]; keep 1.0, truncated sampling biases the importance ratios"""
     max_prompt_tokens: int = 1024
@@ -105,70 +106,7 @@ class Args:
     system_prompt: str | None = None
     """a system turn before the problem (the paper has none)"""
     sampler_is_cap: float | None = None
-    """C in (0, 1e6]: weight each fresh token's Mix-PPG term by min(pi_trainer / pi_vllm, C); off (Decision 18)"""
-    # ---- the run: model and data, devices and engines, output, evaluation ----
-    model: str = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
-    """hub id or local folder of the base policy (also the reference and, for PPO, the critic's trunk)"""
-    dataset: str = "agentica-org/DeepScaleR-Preview-Dataset"
-    """hub id, or a local .jsonl/.json/.parquet file of math problems"""
-    problem_key: str = "problem"
-    """the dataset column holding the problem text"""
-    answer_key: str = "answer"
-    """the dataset column holding the gold answer"""
-    max_tokens_per_micro_batch: int = 16384
-    """in [1, 1073741824]: padded tokens per forward/backward; similar lengths share one, a longer one runs alone"""
-    sampler: Literal["vllm", "hf"] = "vllm"
-    """vllm (default) or transformers' generate, for machines without vLLM"""
-    hf_batch_prompts: Annotated[int | None, flags.hint("(default: --mini-batch-prompts)")] = None
-    """in [1, 65536]: prompts per transformers generate call with --sampler hf (G responses each); fewer, less memory"""
-    vllm_gpu_memory_utilization: float = 0.35
-    """in (0, 1): GPU memory share vLLM may take beside the trainer (docs/memory.md has the arithmetic)"""
-    vllm_sleep: bool = True
-    """GPU only: vLLM sleeps (level 2: weights and KV cache freed, no host copy) from each sample to its push"""
-    vllm_tp: int = 1
-    """in [1, 1024]: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
-    offload: bool = False
-    """keep each trained model's fp32 weights, gradients and AdamW state in host memory (FSDP2's CPU offload)"""
-    precision: Annotated[Literal["bf16", "fp32"] | None, flags.hint("(default: bf16 on GPU, fp32 on CPU)")] = None
-    """dtype of every forward pass (policy, critic, frozen reference, vLLM); weights and optimizer state stay fp32"""
-    gradient_checkpointing: Annotated[bool | None, flags.hint("(default: on GPU)")] = None
-    """recompute activations in the backward pass of both models (saves memory on long responses)"""
-    grader_workers: int = 2
-    """in [1, 1024]: processes (per rank) that grade answers with math-verify"""
-    grade_timeout: float = 20.0
-    """in [0.5, 1e6]: seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
-    seed: int = 1
-    """in [0, 2147483647]: seed of python, numpy, torch and of every vLLM request"""
-    dist_timeout: float = 60.0
-    """in (0, 1e6]: minutes a collective may wait for the other ranks (they wait while rank 0 writes a checkpoint)"""
-    out: str = "runs/remix"
-    """output folder: metrics.jsonl, TensorBoard events, checkpoints, evaluations, completions"""
-    overwrite: bool = False
-    """replace the logs and checkpoints of an earlier run in --out"""
-    save_every: int = 50
-    """in [0, 1000000]: save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
-    keep_last: int = 3
-    """in [0, 1000000]: keep the newest this many checkpoints, the newest full and the others model folders (0: all)"""
-    resume: str | None = None
-    """continue the run in this folder from its newest checkpoint, with the run's saved arguments"""
-    resume_other_method: bool = False
-    """--resume a run that another method file (or another version of this one) wrote: it continues with this one"""
-    resume_changed_data: bool = False
-    """--resume a run whose dataset or benchmark files changed since it began: it goes on with them as they are now"""
-    track: bool = False
-    """log to Weights & Biases as well"""
-    eval_every: int = 25
-    """in [0, 1000000]: greedy Pass@1 on --eval-benchmarks at step 0, every this many steps and at the end; 0 never"""
-    eval_benchmarks: tuple[str, ...] = ("all",)
-    """benchmarks evaluated during training: aime24 amc23 amc83 math500 minerva olympiadbench, or all (the five)"""
-    eval_limit: int | None = None
-    """in [1, 1000000]: evaluate only the first this many problems of each benchmark"""
-    eval_max_tokens: int | None = None
-    """in [1, 1048576]: generation budget of an evaluation response (default: --max-response-tokens)"""
-    eval_data_dir: str | None = None
-    """folder of the benchmark files (default: the repository's data/benchmarks)"""
-    log_completions: int = 4
-    """in [0, 1048576]: responses of each step written to OUT/completions.jsonl (and wandb/TensorBoard); 0 none"""
+    """C in (0, 1e6]: fresh tokens' Mix-PPG terms times min(pi_trainer/pi_vllm, C) (Decision 18)"""
 
 
 def finalize_args(args: Args) -> Args:

@@ -90,7 +90,7 @@ def test_a_response_cut_at_the_length_limit_is_graded_like_any_other_and_is_term
     texts = ["<think>\nSo x = 4, that is \\boxed{4}. But wait, let me check", "<think>\nSo x is either 4 or"]
     fresh = [{"response_ids": tokenizer(t, add_special_tokens=False).input_ids, "answer": "4", "truncated": True}
              for t in texts]
-    remix.score(fresh, tokenizer, remix.Args(grader_workers=1))
+    remix.score(fresh, tokenizer, flags.settings(remix.Args, grader_workers=1))
     assert [(s["reward"], s["status"]) for s in fresh] == [(1.0, "ok"), (0.0, "no_boxed")]
     for s, values in zip(fresh, ([0.2, 0.5, 0.9], [0.1, 0.3, 0.4])):
         s.update(response_ids=s["response_ids"][:3], behaviour_logp=torch.full((3,), -1.0),
@@ -1055,7 +1055,7 @@ def run_update(case: dict) -> tuple[dict, dict]:
 
 
     device = dist.init()
-    args = remix.Args(**case["args"])
+    args = flags.settings(remix.Args, **case["args"])
     policy = AutoModelForCausalLM.from_pretrained(case["model"])
     policy.load_state_dict(case["policy"])
     critic = None
@@ -1094,7 +1094,7 @@ def rerun_update(case: dict, **overrides) -> tuple:
     from transformers import AutoModelForCausalLM
 
     zero_advantages, utd = overrides.pop("zero_advantages", False), overrides.pop("utd", case["utd"])
-    args = remix.Args(**{**case["args"], **overrides})
+    args = flags.settings(remix.Args, **{**case["args"], **overrides})
     before = AutoModelForCausalLM.from_pretrained(case["model"])
     before.load_state_dict(case["policy"])
     policy = copy.deepcopy(before)
@@ -1202,7 +1202,8 @@ def test_a_fork_zeroing_every_loss_of_the_objective_zeroes_every_gradient(tiny_m
 # ----------------------------------------------------------------------------------------------
 def test_models_have_no_dropout_in_training_mode(tiny_model, tmp_path):
     dist.init()
-    policy, reference, critic = models.load(remix.finalize_args(remix.Args(model=tiny_model, algo="ppo")))
+    policy, reference, critic = models.load(remix.finalize_args(flags.settings(remix.Args, model=tiny_model,
+                                                                               algo="ppo")))
     mb = models.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7]}], "cpu")
     for model, fn in ((policy, lambda m: remix.policy_forward(m, mb, 1.0)[0]), (critic, lambda m: remix.critic_forward(m, mb))):
         model.eval()
@@ -1266,7 +1267,7 @@ def test_token_budgets_change_no_number(algo, tiny_model, train_file, tmp_path):
 
     for budget in (1, 120, 100_000):
         case["args"]["max_tokens_per_micro_batch"] = budget
-        args = remix.Args(**case["args"])
+        args = flags.settings(remix.Args, **case["args"])
         policy = AutoModelForCausalLM.from_pretrained(case["model"])
         policy.load_state_dict(case["policy"])
         dist.padding.clear()

@@ -26,14 +26,14 @@ sys.path.insert(0, str(ROOT))
 RUN = """import dataclasses, json, sys
 sys.path.insert(0, {root!r})
 import remix
-from machinery import engines
+from machinery import engines, flags
 start = engines.start
 # the engine's dtype alone: engines.start takes it from --precision, the trainer keeps its own
 engines.start = lambda args, max_model_len=None: start(dataclasses.replace(args, precision={engine_precision!r}),
                                                        max_model_len)
-args = remix.Args(model={model!r}, dataset={data!r}, out={out!r}, algo="grpo", sampler="vllm", steps={steps},
-                  prompts_per_step=8, group_size=4, max_response_tokens=128, mini_batch_prompts=4, save_every=0,
-                  actor_lr=1e-5, precision={precision!r}, eval_every=0)
+args = flags.settings(remix.Args, model={model!r}, dataset={data!r}, out={out!r}, algo="grpo", sampler="vllm",
+                      steps={steps}, prompts_per_step=8, group_size=4, max_response_tokens=128, mini_batch_prompts=4,
+                      save_every=0, actor_lr=1e-5, precision={precision!r}, eval_every=0)
 remix.train(args)
 """
 

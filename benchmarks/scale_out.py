@@ -75,10 +75,11 @@ HOST_MEMORY = """import json, os, resource, sys
 sys.path.insert(0, sys.argv[1])
 import torch, remix
 if os.path.isdir(os.path.join(sys.argv[1], "machinery")):  # the package (after the restructuring)
-    from machinery import dist, models
+    from machinery import dist, flags, models
     dist.init()
     rank, barrier = dist.rank, dist.barrier
-    load = lambda: models.load(remix.finalize_args(remix.Args(model=sys.argv[2], algo="ppo")))
+    settings = getattr(flags, "settings", lambda cls, **values: cls(**values))  # remix.Args held the run's too before
+    load = lambda: models.load(remix.finalize_args(settings(remix.Args, model=sys.argv[2], algo="ppo")))
 else:  # remix_utils.py beside remix.py (before it)
     import remix_utils
     device = remix_utils.init_distributed()

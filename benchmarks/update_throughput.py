@@ -111,7 +111,7 @@ def speed_child(algo: str, config: str, reps: int) -> dict:
     import torch
 
     import remix
-    from machinery import dist, models
+    from machinery import dist, flags, models
     from transformers import AutoModelForTokenClassification
 
     torch.set_num_threads(2)
@@ -124,9 +124,9 @@ def speed_child(algo: str, config: str, reps: int) -> dict:
         critic = AutoModelForTokenClassification.from_config(policy.config.__class__(**{**policy.config.to_dict(),
                                                                                        "num_labels": 1}),
                                                                 trust_remote_code=False)
-    args = remix.finalize_args(remix.Args(algo=algo, max_tokens_per_micro_batch=budget,
-                                          mini_batch_prompts=16 if algo == "ppo" else 2,
-                                          group_size=8 if algo == "grpo" else 1, actor_lr=1e-6))
+    args = remix.finalize_args(flags.settings(remix.Args, algo=algo, max_tokens_per_micro_batch=budget,
+                                              mini_batch_prompts=16 if algo == "ppo" else 2,
+                                              group_size=8 if algo == "grpo" else 1, actor_lr=1e-6))
     fresh, history = long_tailed_batch(algo)
     remix.behaviour_and_reference(history, policy, reference, args)  # stored earlier
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-6) for m in (policy, critic) if m is not None]

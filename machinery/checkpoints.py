@@ -1,7 +1,6 @@
 """Checkpoints: written atomically, rotated, and read back for a resume without running anything they hold.
 
-Checkpoints: written atomically by every rank, rotated, holding everything a resumed run needs, and read back
-without executing anything from the folder. A reader of the method may skip this module.
+Written by every rank, each holds everything a resumed run needs. A reader of the method may skip this module.
 
     checkpoint-STEP/             the policy and tokenizer: a plain transformers / vLLM model folder (safetensors)
         critic/, reference/      the critic (PPO) and, once reincarnated, the reference, likewise
@@ -36,11 +35,12 @@ import sys
 import numpy as np
 import torch
 
-from machinery import dist, models, paths, runfolder, safeload
+from machinery import dist, flags, models, paths, runfolder, safeload
 from machinery.console import fail, say
 from machinery.models import base_dtype  # save() holds the models under the name models
 
-FORMAT = 2  # 1: optimizers in torch.distributed.checkpoint's format, trainer state pickled (no longer read)
+FORMAT = 3  # 1: optimizers in torch.distributed.checkpoint's format, trainer state pickled (no longer read)
+FLAT_SETTINGS = 2  # the arguments as one dict, before the method's and the run's settings parted: refused in one line
 TRAINING_PARTS = ("critic", "reference", "optim")  # with trainer_state*.pt: what an older checkpoint loses
 
 
@@ -134,7 +134,7 @@ def save(out: str, step: int, models: dict, tokenizer, optimizers: dict, trainer
             _delete(tmp)
         fail(f"cannot write checkpoint {final}: {errors[0]}; the previous checkpoints are intact")
     if dist.rank() == 0:
-        prune(out, step, keep_last, base_dtype(trainer_state.get("args", {}).get("model")))
+        prune(out, step, keep_last, base_dtype(trainer_state.get("args", {}).get("run", {}).get("model")))
     dist.barrier()
     return final
 
@@ -276,6 +276,10 @@ def clear_leftovers(out: str):
         _delete(path)
 
 
+class FlatSettings(ValueError):
+    """A trainer state written before the method's settings and the run's were saved apart (FLAT_SETTINGS)."""
+
+
 def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
     """This rank's trainer state and optimizer shard from a checkpoint, each checked against what save() writes
     and every model folder against its config (what is checked is what a resumed run uses): a resume that gets
@@ -285,9 +289,16 @@ def read(folder: str, defaults: dict | None = None) -> tuple[dict, dict]:
     safeload.check_special_files(folder)
     path, rank = state_file(folder, dist.rank()), dist.rank()
     state = safeload.read_pt(path)
+    if isinstance(state, dict) and state.get("format") == FLAT_SETTINGS:
+        raise FlatSettings(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is from another version of remix (format "
                          f"{state.get('format', 1) if isinstance(state, dict) else '?'}, this reads {FORMAT})")
+    args = flags.from_saved(state.get("args"))
+    if args is None:
+        raise ValueError(f"{path} is not a trainer state this remix can resume: its 'args' are not the method's and "
+                         f"the run's settings ({{'method': {{...}}, 'run': {{...}}}})")
+    state = {**state, "args": args}  # one dict of every field, as the settings object has them
     params, vocab = {}, None
     for name, model_folder in (("policy", folder), ("critic", os.path.join(folder, "critic")),
                                ("reference", os.path.join(folder, "reference"))):
@@ -330,6 +341,8 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
     for folder in reversed(found):
         try:
             state, optim, problem = *read(folder, defaults), None
+        except FlatSettings:  # every checkpoint of the run is as old: none to fall back to
+            fail(flat_settings_line(out, folder))
         except safeload.Refused as error:
             state, optim, problem = None, None, ("refused", str(error))
         except ValueError as error:
@@ -351,6 +364,14 @@ def latest(out: str, defaults: dict | None = None) -> tuple[str, dict, dict]:
         say(f"--resume: {(refused or [problems[0][1]])[0]}; " + (f"resuming from {earlier[-1]} instead" if earlier
                                                                   else "no earlier checkpoint to fall back to"))
     fail(f"--resume {out!r}: no checkpoint can be read (see above); start a new run with another --out")
+
+
+def flat_settings_line(out: str, folder: str) -> str:
+    """The line that refuses a run written before the method's settings and the run's parted: what can be done."""
+    return (f"--resume {out!r}: the run was written by a remix from before the method's settings and the run's "
+            f"were saved apart (trainer state format {FLAT_SETTINGS}, this remix reads {FORMAT}): finish it with the "
+            f"remix that wrote it, or continue from its policy as a new run (--model {folder} and another --out), "
+            f"which starts without its optimizer state, replay deque and place in the data")
 
 
 def only_state_line(out: str, folder: str, problem: str) -> str:

@@ -1,10 +1,12 @@
-"""The flags, checked before anything is written: ranges, impossible combinations, the model path, the hub.
+"""The run's settings (RunArgs) and every flag's checks, made before anything is written.
 
-The flags, checked before anything is written: each numeric field's range, stated in its docstring and read from
-there (a new flag is one edit, in its dataclass), the impossible combinations, the model path and the hub. A reader
-of the method may skip this module."""
+RunArgs (what a run sets beside the method's Args: model and data,
+engines, output, evaluation), the one object a run reads both from (settings), and the checks made before anything
+is written: each numeric field's range, stated in its docstring and read from there (a new flag is one edit, in its
+dataclass), the impossible combinations, the model path and the hub. A reader of the method may skip this module."""
 
 import ast
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -14,6 +16,7 @@ import re
 import socket
 import textwrap
 import typing
+from typing import Annotated, Literal
 from urllib.parse import urlparse
 
 from machinery import dist
@@ -30,6 +33,118 @@ def hint(text: str):
     return arg(help_behavior_hint=text)
 
 
+@dataclasses.dataclass
+class RunArgs:
+    """the run: model and data, devices and engines, output, evaluation (the method's settings are its Args)"""
+    model: str = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+    """hub id or local folder of the base policy (also the reference and, for PPO, the critic's trunk)"""
+    dataset: str = "agentica-org/DeepScaleR-Preview-Dataset"
+    """hub id, or a local .jsonl/.json/.parquet file of math problems"""
+    problem_key: str = "problem"
+    """the dataset column holding the problem text"""
+    answer_key: str = "answer"
+    """the dataset column holding the gold answer"""
+    max_tokens_per_micro_batch: int = 16384
+    """in [1, 1073741824]: padded tokens per forward/backward; similar lengths share one, a longer one runs alone"""
+    sampler: Literal["vllm", "hf"] = "vllm"
+    """vllm (default) or transformers' generate, for machines without vLLM"""
+    hf_batch_prompts: Annotated[int | None, hint("(default: --mini-batch-prompts)")] = None
+    """in [1, 65536]: prompts per transformers generate call with --sampler hf (G responses each); fewer, less memory"""
+    vllm_gpu_memory_utilization: float = 0.35
+    """in (0, 1): GPU memory share vLLM may take beside the trainer (docs/memory.md has the arithmetic)"""
+    vllm_sleep: bool = True
+    """GPU only: vLLM sleeps (level 2: weights and KV cache freed, no host copy) from each sample to its push"""
+    vllm_tp: int = 1
+    """in [1, 1024]: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
+    offload: bool = False
+    """keep each trained model's fp32 weights, gradients and AdamW state in host memory (FSDP2's CPU offload)"""
+    precision: Annotated[Literal["bf16", "fp32"] | None, hint("(default: bf16 on GPU, fp32 on CPU)")] = None
+    """dtype of every forward pass (policy, critic, frozen reference, vLLM); weights and optimizer state stay fp32"""
+    gradient_checkpointing: Annotated[bool | None, hint("(default: on GPU)")] = None
+    """recompute activations in the backward pass of both models (saves memory on long responses)"""
+    grader_workers: int = 2
+    """in [1, 1024]: processes (per rank) that grade answers with math-verify"""
+    grade_timeout: float = 20.0
+    """in [0.5, 1e6]: seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
+    seed: int = 1
+    """in [0, 2147483647]: seed of python, numpy, torch and of every vLLM request"""
+    dist_timeout: float = 60.0
+    """in (0, 1e6]: minutes a collective may wait for the other ranks (they wait while rank 0 writes a checkpoint)"""
+    out: str = "runs/remix"
+    """output folder: metrics.jsonl, TensorBoard events, checkpoints, evaluations, completions"""
+    overwrite: bool = False
+    """replace the logs and checkpoints of an earlier run in --out"""
+    save_every: int = 50
+    """in [0, 1000000]: save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
+    keep_last: int = 3
+    """in [0, 1000000]: keep the newest this many checkpoints, the newest full and the others model folders (0: all)"""
+    resume: str | None = None
+    """continue the run in this folder from its newest checkpoint, with the run's saved arguments"""
+    resume_other_method: bool = False
+    """--resume a run that another method file (or another version of this one) wrote: it continues with this one"""
+    resume_changed_data: bool = False
+    """--resume a run whose dataset or benchmark files changed since it began: it goes on with them as they are now"""
+    track: bool = False
+    """log to Weights & Biases as well"""
+    eval_every: int = 25
+    """in [0, 1000000]: greedy Pass@1 on --eval-benchmarks at step 0, every this many steps and at the end; 0 never"""
+    eval_benchmarks: tuple[str, ...] = ("all",)
+    """benchmarks evaluated during training: aime24 amc23 amc83 math500 minerva olympiadbench, or all (the five)"""
+    eval_limit: int | None = None
+    """in [1, 1000000]: evaluate only the first this many problems of each benchmark"""
+    eval_max_tokens: int | None = None
+    """in [1, 1048576]: generation budget of an evaluation response (default: --max-response-tokens)"""
+    eval_data_dir: str | None = None
+    """folder of the benchmark files (default: the repository's data/benchmarks)"""
+    log_completions: int = 4
+    """in [0, 1048576]: responses of each step written to OUT/completions.jsonl (and wandb/TensorBoard); 0 none"""
+
+
+@functools.cache
+def settings_type(method_args: type) -> type:
+    """The one dataclass a run reads its settings from: the method's Args (method_args) and RunArgs as its bases, so
+    args.group_size and args.sampler are both fields of it. Made once per Args, so type(args)() is its defaults. A
+    method field named as a run's is refused in one line (both would be one flag)."""
+    shared = {f.name for f in dataclasses.fields(method_args)} & {f.name for f in dataclasses.fields(RunArgs)}
+    if shared:
+        name = sorted(shared)[0]
+        fail(f"{method_args.__name__}.{name} ({inspect.getsourcefile(method_args)}) is a setting of the run too "
+             f"(machinery's RunArgs): give the method's field another name")
+    return dataclasses.make_dataclass(
+        "Settings", [], bases=(RunArgs, method_args),
+        namespace={"__doc__": f"{method_args.__name__}'s fields and RunArgs'", "__module__": __name__,
+                   # pickled as its Args and its values: the class itself has no name to be found by
+                   "__reduce__": lambda args: (settings_of, (method_args, dataclasses.asdict(args)))})
+
+
+def settings(method_args: type, **values):
+    """A run's settings in one call, every field of the method's Args and of RunArgs by its keyword, the others at
+    their defaults: settings(remix.Args, steps=2, out="runs/x"). A keyword of neither (a misspelling) is a TypeError."""
+    return settings_type(method_args)(**values)
+
+
+def settings_of(method_args: type, values: dict):
+    """settings() from a dict of fields (how a pickled run's settings come back)."""
+    return settings(method_args, **values)
+
+
+def saved(args) -> dict:
+    """The settings as a checkpoint saves them, the method's and the run's apart: {"method": {"algo": "ppo", ...},
+    "run": {"model": ..., ...}}."""
+    run = {f.name for f in dataclasses.fields(RunArgs)}
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    return {"method": {k: v for k, v in values.items() if k not in run},
+            "run": {k: v for k, v in values.items() if k in run}}
+
+
+def from_saved(groups) -> dict | None:
+    """saved()'s two groups as one dict of every field, or None where groups is not in that layout."""
+    if not (isinstance(groups, dict) and set(groups) == {"method", "run"}
+            and all(isinstance(part, dict) for part in groups.values())) or groups["method"].keys() & groups["run"]:
+        return None
+    return {**groups["method"], **groups["run"]}
+
+
 # A range as a docstring states it: '>= 1', '> 0', 'in [0, 1)', 'in (0, 1]', 'in [0, 2147483647]', and one value
 # beside a range, '0 or in [0.01, 100]' (a temperature: 0 is greedy; one under 0.01 overflows the logits' division)
 NUMBER = r"-?[0-9][0-9.e+-]*"
@@ -41,7 +156,17 @@ def ranges(cls) -> dict[str, str]:
     """Each numeric field of a flags dataclass with its range, the first BOUND its docstring states ('p, in [0, 1):
     ...' -> 'in [0, 1)'): the range is declared beside the field, and --help shows it. A numeric field whose docstring
     states none, or only a lower bound ('>= 1'), is refused with one line, so a new flag cannot go unchecked or
-    unbounded (1e300 seconds overflow a select, 1e20 a deque's length)."""
+    unbounded (1e300 seconds overflow a select, 1e20 a deque's length). The fields of a run's settings (settings_type)
+    are those of its bases: each dataclass in the class's ancestry declaring fields is read from its own source."""
+    found = {}
+    for part in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(part) and inspect.get_annotations(part):
+            found.update(declared_ranges(part))
+    return found
+
+
+def declared_ranges(cls) -> dict[str, str]:
+    """ranges() of the fields one dataclass declares itself, read from its source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body, hints, found = tree.body[0].body, typing.get_type_hints(cls), {}
     for field, doc in zip(body, body[1:]):

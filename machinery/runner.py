@@ -1,7 +1,9 @@
 """A program's entry (main, cli) and the Session that ties a run's parts to remix.train().
 
-The Session ties the flags, the run folder, the logs, the metrics and the checkpoints to remix.train(). A reader of the method may skip this module: it decides nothing about
-what is computed, and takes what it needs of the method from the method's own contract."""
+A program's entry (main; cli, a run's command line; parse, eval.py's and toy.py's) and the Session that
+ties the flags, the run folder, the logs, the metrics and the checkpoints to remix.train(). A reader of the method
+may skip this module: it decides nothing about what is computed, and takes what it needs of the method from the
+method's own contract."""
 
 import dataclasses
 import functools
@@ -19,18 +21,38 @@ from machinery import console, dist, flags, logs, models, paths, plan, runfolder
 from machinery.console import fail, say
 
 
-def cli(cls, prog: str = "remix", argv: list[str] | None = None):
-    """The program's arguments, parsed from the command line (argv: sys.argv[1:]) into its dataclass by tyro: the one
-    parser of remix.py, eval.py and toy.py. A flag it does not know is one line naming the closest one, exit 2
-    (tyro's own report is a box of ten lines); --help is tyro's."""
+def cli(method_args, prog: str = "remix", argv: list[str] | None = None):
+    """A run's settings from its command line (argv: sys.argv[1:]): the method's Args (method_args) and the run's
+    (flags.RunArgs), flat flags with no prefix, which --help shows in two groups, the method's and the run's; read
+    into one object of flags.settings_type(method_args), whose fields are both classes'."""
+    tyro = parser(prog)
+    command = dataclasses.make_dataclass("Command", [("method", method_args), ("run", flags.RunArgs)])
+    parsed = parse(tyro.conf.OmitArgPrefixes[command], prog, argv, flags.settings_type(method_args))
+    return flags.settings(method_args, **fields_of(parsed.method), **fields_of(parsed.run))
+
+
+def parse(cls, prog: str = "remix", argv: list[str] | None = None, named=None):
+    """A program's arguments, parsed from the command line (argv: sys.argv[1:]) into its dataclass by tyro: the one
+    parser of remix.py, eval.py and toy.py. A flag it does not know is one line naming the closest field of cls (or
+    of named, the flat class of a nested cls), exit 2 (tyro's own report is a box of ten lines); --help is tyro's."""
+    args, unknown = parser(prog).cli(cls, args=argv, return_unknown_args=True)
+    if unknown:
+        fail(unknown_flag_line(unknown, named or cls), prog)
+    return args
+
+
+def parser(prog: str):
+    """tyro, or one line saying how to install it."""
     try:
         import tyro
     except ImportError:
         fail("tyro (the command-line parser) is not installed: pip install -r requirements.txt", prog)
-    args, unknown = tyro.cli(cls, args=argv, return_unknown_args=True)
-    if unknown:
-        fail(unknown_flag_line(unknown, cls), prog)
-    return args
+    return tyro
+
+
+def fields_of(args) -> dict:
+    """A dataclass's fields by name, as they are (dataclasses.asdict copies them)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
 
 
 def unknown_flag_line(unknown: list[str], cls) -> str:
@@ -114,6 +136,9 @@ class Session:
     def __init__(self, args, method: Method):
         from machinery import checkpoints, data, evaluation, models, paths, safeload
 
+        if not isinstance(args, flags.RunArgs):  # a method's Args alone lacks the run's settings
+            raise TypeError(f"a run takes the method's settings and the run's in one object, "
+                            f"flags.settings({type(args).__name__}, ...), not a {type(args).__name__}")
         console.catch_interrupts()
         bound = flags.ranges(type(args))["dist_timeout"]
         if not flags.within(args.dist_timeout, bound):
@@ -308,7 +333,7 @@ class Session:
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             checkpoints.save(args.out, step, {**self.models, "reference": self.models["reference"] if reincarnated
                                               else None}, self.tokenizer, self.optimizers,
-                             {"args": dataclasses.asdict(args), "method": self.written_by, "inputs": self.inputs,
+                             {"args": flags.saved(args), "method": self.written_by, "inputs": self.inputs,
                               "replay": list(self.replay),
                               "progress": {**self.progress, "bad_updates": models.in_a_row()}}, args.keep_last)
 

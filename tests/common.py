@@ -46,11 +46,12 @@ def train_file(tmp_path_factory):
 
 def tiny_args(model, data, out, **overrides):
     import remix
+    from machinery import flags
 
     base = dict(model=model, dataset=data, out=str(out), steps=3, prompts_per_step=10, max_response_tokens=24,
                 mini_batch_prompts=4, sampler="hf", save_every=0, seed=3, eval_every=0, log_completions=0)
     base.update(overrides)
-    return remix.Args(**base)
+    return flags.settings(remix.Args, **base)
 
 
 def refused_in_one_line(program: str, model, data, out, capsys) -> str:

@@ -55,14 +55,14 @@ def main():
     import torch
 
     import remix
-    from machinery import dist, plan
+    from machinery import dist, flags, plan
 
     folder, algo, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
-    args = remix.finalize_args(remix.Args(model=folder, algo=algo, sampler="hf", max_tokens_per_micro_batch=tokens,
-                                          max_prompt_tokens=tokens // 8, max_response_tokens=tokens // 2 - tokens // 8,
-                                          gradient_checkpointing="--checkpointing" in sys.argv, mini_batch_prompts=64,
-                                          out="unused"))
+    args = remix.finalize_args(flags.settings(remix.Args, model=folder, algo=algo, sampler="hf",
+                                              max_tokens_per_micro_batch=tokens, max_prompt_tokens=tokens // 8,
+                                              max_response_tokens=tokens // 2 - tokens // 8, mini_batch_prompts=64,
+                                              gradient_checkpointing="--checkpointing" in sys.argv, out="unused"))
     dist.init()
     step(args, 64)  # a first, small run of the same code: libraries, kernels and thread pools before the baseline
     gc.collect()

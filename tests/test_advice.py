@@ -61,7 +61,7 @@ def judge(given: dict, monkeypatch, capsys, world: int = 1, source: str = R1_15B
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
     else:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    args = remix.finalize_args(remix.Args(**given))
+    args = remix.finalize_args(flags.settings(remix.Args, **given))
     try:
         flags.check_args(args)
         plan.check(args, source, lengths=lengths)
@@ -82,7 +82,7 @@ def alternatives(line: str) -> list[tuple[dict, int]]:
         texts = [line.split("these together do: ", 1)[1]]
     else:
         return []
-    hints = typing.get_type_hints(remix.Args)
+    hints = typing.get_type_hints(flags.settings_type(remix.Args))
     found = []
     for text in texts:
         words, added, world = re.sub(r"\([^)]*\)", "", text).split(), {}, 1
@@ -208,7 +208,7 @@ def test_evaluations_on_another_file_system_are_counted_there(machine, monkeypat
     out = str(tmp_path / "run")
     given = {**GPU, "algo": "grpo", "keep_last": 1, "eval_every": 1, "eval_max_tokens": 32768, "out": out}
     lengths = plan.Lengths(eval_problems=1000)
-    need = plan.evaluation_bytes(remix.finalize_args(remix.Args(**given)), lengths)
+    need = plan.evaluation_bytes(remix.finalize_args(flags.settings(remix.Args, **given)), lengths)
     machine(gpu=(80 * GB, 80 * GB), disk={out: 1e15, os.path.join(out, "eval"): need / 2})
     line = judge(given, monkeypatch, capsys, lengths=lengths)
     assert line is not None and f"the run does not fit: disk of {out}/eval" in line and "--eval-every" in line, line
@@ -222,7 +222,8 @@ def test_evaluations_on_another_file_system_are_counted_there(machine, monkeypat
 def test_a_resumed_run_is_told_no_flag(machine, monkeypatch, capsys, tmp_path):
     """A resume continues with the run's saved flags (checkpoints.resume_args): the advice names none."""
     machine(gpu=(80 * GB, 80 * GB))
-    args = remix.finalize_args(remix.Args(**GPU, algo="grpo", sampler="hf", out=str(tmp_path), resume=str(tmp_path)))
+    args = remix.finalize_args(flags.settings(remix.Args, **GPU, algo="grpo", sampler="hf", out=str(tmp_path),
+                                              resume=str(tmp_path)))
     monkeypatch.setattr(dist, "world", lambda: 1)
     with pytest.raises(SystemExit):
         plan.check(args, R1_15B)

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from machinery import checkpoints, runfolder  # noqa: E402
+from machinery import checkpoints, flags, runfolder  # noqa: E402
 from tests.common import (ROOT, one_error_line, read_metrics, refused_in_one_line, run_remix, tiny_args,  # noqa: E402
                           tiny_cli, two_step_ppo_run)
 
-DEFAULTS = dataclasses.asdict(remix.Args())
+DEFAULTS = dataclasses.asdict(flags.settings(remix.Args))
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def save_policy(out: Path, step: int, keep_last: int, policy, tokenizer, base: s
     """checkpoints.save as a run calls it, with a real policy and tokenizer and no optimizer; the trainer state names
     the base model, as a run's arguments do."""
     return checkpoints.save(str(out), step, {"policy": policy}, tokenizer, {},
-                            {"args": {"model": base}, "progress": {"step": step}}, keep_last)
+                            {"args": {"method": {}, "run": {"model": base}}, "progress": {"step": step}}, keep_last)
 
 
 def inode(path: Path) -> tuple[int, int]:
@@ -555,7 +555,8 @@ def edit_config(checkpoint: Path, **changes):
 DAMAGES = {  # what is changed, and the file the line must name
     "missing-field": (lambda c: edit_state(c, lambda s: s["progress"].pop("data_position")), "trainer_state.pt"),
     "mistyped-progress": (lambda c: edit_state(c, lambda s: s["progress"].update(tokens="32")), "trainer_state.pt"),
-    "mistyped-argument": (lambda c: edit_state(c, lambda s: s["args"].update(actor_lr="fast")), "trainer_state.pt"),
+    "mistyped-argument": (lambda c: edit_state(c, lambda s: s["args"]["method"].update(actor_lr="fast")),
+                          "trainer_state.pt"),
     "no-arguments": (lambda c: edit_state(c, lambda s: s.pop("args")), "trainer_state.pt"),
     "bad-torch-rng": (lambda c: edit_state(c, lambda s: s["rng"].update(torch=torch.zeros(7, dtype=torch.uint8))),
                       "trainer_state.pt"),
@@ -600,6 +601,34 @@ def test_when_no_checkpoint_is_left_the_resume_stops_in_one_line(finished, tmp_p
         checkpoints.latest(str(out), DEFAULTS)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "no checkpoint can be read" in err[0], err
+
+
+def test_a_run_saved_before_the_settings_parted_is_refused_on_resume_in_one_line(finished, tmp_path, capsys):
+    """A checkpoint saves the method's settings and the run's apart; a run written before they parted (its trainer
+    states as the code before wrote them: format 2, the arguments one flat dict) is refused on --resume in one line
+    that says how to go on, and nothing in it is changed."""
+    state = torch.load(finished / "checkpoint-2" / "trainer_state.pt", weights_only=True)
+    assert state["format"] == checkpoints.FORMAT and set(state["args"]) == {"method", "run"}
+    assert list(state["args"]["method"]) == [f.name for f in dataclasses.fields(remix.Args)]
+    assert list(state["args"]["run"]) == [f.name for f in dataclasses.fields(flags.RunArgs)]
+    out = copy_of(finished, tmp_path)
+    for step in (1, 2):  # as the code before wrote them: {**trainer_state, ..., "format": 2}, args = asdict(args)
+        edit_state(out / f"checkpoint-{step}", lambda s: s.update(args={**s["args"]["method"], **s["args"]["run"]},
+                                                                  format=2))
+    before = {name: value for name, value in digests(out).items() if name != runfolder.LOCK}  # the lock: this job's
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            remix.train(flags.settings(remix.Args, resume=str(out), steps=3))
+    finally:
+        runfolder.unlock()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err == [
+        f"remix: error: --resume {str(out)!r}: the run was written by a remix from before the method's settings and "
+        f"the run's were saved apart (trainer state format 2, this remix reads {checkpoints.FORMAT}): finish it with "
+        f"the remix that wrote it, or continue from its policy as a new run (--model {out / 'checkpoint-2'} and "
+        f"another --out), which starts without its optimizer state, replay deque and place in the data"], err
+    assert {name: value for name, value in digests(out).items() if name != runfolder.LOCK} == before
 
 
 GARBLED = {  # a file of the only full checkpoint, and what it is made: each is named, none is deleted or advised to be

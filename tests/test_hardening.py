@@ -63,21 +63,23 @@ EVAL_RANGES = {"n": "in [1, 1024]", "temperature": "0 or in [0.01, 100]", "top_p
                "batch_size": "in [1, 65536]"}
 
 
-@pytest.mark.parametrize("program, cls, reference", [("remix.py", "Args", REMIX_RANGES),
-                                                     ("eval.py", "EvalArgs", EVAL_RANGES)])
-def test_every_numeric_flag_has_the_range_its_help_states(program, cls, reference):
-    """flags.ranges reads each numeric field's range from its docstring: every field of the reference table has
-    that range (a fork's new numeric flag has one too, or ranges() refuses it: the next test)."""
+@pytest.mark.parametrize("program, sources, reference", [
+    ("remix", [("remix.py", "Args"), ("machinery/flags.py", "RunArgs")], REMIX_RANGES),
+    ("eval", [("eval.py", "EvalArgs")], EVAL_RANGES)])
+def test_every_numeric_flag_has_the_range_its_help_states(program, sources, reference):
+    """flags.ranges reads each numeric field's range from its docstring, over both classes of a run's settings (the
+    method's Args and the run's RunArgs): every field of the reference table has that range (a fork's new numeric
+    flag has one too, or ranges() refuses it: the next test)."""
     import dataclasses
     import typing
 
-    target = remix.Args if cls == "Args" else eval_cli.EvalArgs
+    target = flags.settings_type(remix.Args) if program == "remix" else eval_cli.EvalArgs
     hints = typing.get_type_hints(target)
     numeric = {f.name for f in dataclasses.fields(target)
                if {int, float} & set(typing.get_args(hints[f.name]) or (hints[f.name],)) - {bool}}
     found = flags.ranges(target)
     assert set(found) == numeric and reference.items() <= found.items(), (set(reference) ^ set(found))
-    docs = field_docstrings(ROOT / program, cls)
+    docs = {name: doc for file, cls in sources for name, doc in field_docstrings(ROOT / file, cls).items()}
     for name, bound in found.items():
         assert bound in docs[name], f"--{name}'s help does not say {bound!r}: {docs[name]!r}"
 
@@ -102,12 +104,12 @@ def test_a_numeric_flag_without_a_range_is_refused_in_one_line(tmp_path, capsys,
     assert not flags.within(0, "> 0") and flags.within(0, ">= 0") and not flags.within(float("nan"), ">= 0")
 
 
-@pytest.mark.parametrize("name, bound", list(flags.ranges(remix.Args).items()))
+@pytest.mark.parametrize("name, bound", list(flags.ranges(flags.settings_type(remix.Args)).items()))
 def test_each_bad_value_of_a_remix_flag_gets_one_line_and_writes_nothing(name, bound, tiny_model, train_file,
                                                                          tmp_path, capsys):
     import typing
 
-    integer = typing.get_type_hints(remix.Args)[name] in (int, int | None)
+    integer = typing.get_type_hints(flags.settings_type(remix.Args))[name] in (int, int | None)
     for value in bad_values(bound, integer):
         out = tmp_path / "out"
         with pytest.raises(SystemExit) as exit_info:
@@ -125,9 +127,9 @@ def test_the_numbers_past_any_sane_bound_that_overflowed_get_one_line(flag, valu
     """Issue 37's four: each overflowed in a select, a timedelta or a deque after --out was written."""
     with pytest.raises(SystemExit) as exit_info:
         remix.train(tiny_args(tiny_model, train_file, tmp_path / "out", **{flag: value}))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and err == [f"remix: error: --{flag.replace('_', '-')} must be "
-                                                 f"{flags.ranges(remix.Args)[flag]}, got {value}"], err
+    err, bound = capsys.readouterr().err.strip().splitlines(), flags.ranges(flags.settings_type(remix.Args))[flag]
+    assert exit_info.value.code == 2 and err == [f"remix: error: --{flag.replace('_', '-')} must be {bound}, "
+                                                 f"got {value}"], err
     assert not (tmp_path / "out").exists()
 
 
@@ -193,7 +195,7 @@ def test_an_environment_number_in_range_is_what_the_plan_counts(tiny_model, monk
     from machinery import plan
 
     shape = plan.shape_of(tiny_model)
-    args = remix.finalize_args(remix.Args(model=tiny_model, sampler="vllm"))
+    args = remix.finalize_args(flags.settings(remix.Args, model=tiny_model, sampler="vllm"))
     for value, gib in (("3", 3), (None, 1)):
         if value is None:
             monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
@@ -255,6 +257,8 @@ def test_the_temperature_floor_keeps_the_log_probs_finite(dtype):
      "--temprature is no flag of remix.py; did you mean --temperature? (remix.py --help lists them)"),
     ("remix", ["remix_mine.py", "--steps", "3", "--no-kl-convx"],
      "--no-kl-convx is no flag of remix_mine.py; did you mean --no-kl-convex? (remix_mine.py --help lists them)"),
+    ("remix", ["remix.py", "--steps", "3", "--sampler", "hf", "--no-vllm-slep"],  # a run's switch, after a method's
+     "--no-vllm-slep is no flag of remix.py; did you mean --no-vllm-sleep? (remix.py --help lists them)"),
     ("eval", ["eval.py", "--n", "2", "--modle=runs/x"],
      "--modle is no flag of eval.py; did you mean --model? (eval.py --help lists them)"),
     ("eval", ["eval.py", "--zzzz", "1"], "--zzzz is no flag of eval.py (eval.py --help lists them)"),
@@ -266,13 +270,122 @@ def test_a_misspelled_flag_is_one_line_naming_the_closest_one(cls, argv, line, m
     switch's --no- form too), --help; exit 2. A command line without one parses as before."""
     from machinery import runner
 
-    target = remix.Args if cls == "remix" else eval_cli.EvalArgs
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exit_info:
-        runner.cli(target, cls)
+        runner.cli(remix.Args, cls) if cls == "remix" else runner.parse(eval_cli.EvalArgs, cls)
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"{cls}: error: {line}"]
     parsed = runner.cli(remix.Args, "remix", ["--temperature", "0.5", "--no-kl-convex", "--eval_every", "3"])
     assert (parsed.temperature, parsed.kl_convex, parsed.eval_every) == (0.5, False, 3)
+
+
+def help_rows(method_args, prog: str, monkeypatch, capsys) -> dict[str, list[str]]:
+    """A run's --help as a user reads it (120 columns: one group under another, boxed on a terminal, plain text
+    elsewhere): {group title: the flags its rows begin with}."""
+    import re
+
+    from machinery import runner
+
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit) as exit_info:
+        runner.cli(method_args, prog, ["--help"])
+    assert exit_info.value.code == 0
+    rows, title = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        if group := re.match(r"(?:╭─)? ((?:\w+ )*options)\b", line):
+            title = group.group(1)
+            rows[title] = []
+        elif row := re.match(r"(?:│ |  )(--?[a-z][-\w]*(, --[-\w]+)?)", line):  # a row's flags, at the edge
+            rows[title] += row.group(1).split(", ")
+    return rows
+
+
+def flags_of(cls) -> list[str]:
+    """The flags a dataclass's fields make, in their order: --name, and --no-name beside a plain switch."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return [flag for f in dataclasses.fields(cls) for flag in
+            ["--" + f.name.replace("_", "-")] + (["--no-" + f.name.replace("_", "-")] if hints[f.name] is bool else [])]
+
+
+def test_help_shows_every_setting_once_flat_in_the_methods_group_and_the_runs(monkeypatch, capsys):
+    """Issue 45: remix.Args holds the method's settings (at most 36), machinery's RunArgs the run's, no field in
+    both; --help shows each field's flag once, without a prefix, the method's in one group and the run's in the
+    other (the flags the one Args of before made: the same 64 fields)."""
+    import dataclasses
+
+    method, run_settings = dataclasses.fields(remix.Args), dataclasses.fields(flags.RunArgs)
+    assert len(method) <= 36 and not {f.name for f in method} & {f.name for f in run_settings}
+    assert help_rows(remix.Args, "remix", monkeypatch, capsys) == {
+        "options": ["-h", "--help"], "method options": flags_of(remix.Args), "run options": flags_of(flags.RunArgs)}
+    assert {"--algo", "--group-size", "--off-policy-p", "--no-kl-convex"} <= set(flags_of(remix.Args))
+    assert {"--model", "--sampler", "--out", "--resume", "--no-vllm-sleep"} <= set(flags_of(flags.RunArgs))
+
+
+def test_a_run_is_built_in_one_call_and_a_misspelled_keyword_is_an_error():
+    """flags.settings(Args, ...): the method's and the run's fields in one object, by keyword, the rest at their
+    defaults; a keyword of neither class is a TypeError, and a method's Args alone is no run's settings."""
+    import dataclasses
+    import pickle
+
+    args = flags.settings(remix.Args, steps=2, group_size=4, sampler="hf", out="runs/x")
+    assert isinstance(args, remix.Args) and isinstance(args, flags.RunArgs)
+    assert (args.steps, args.group_size, args.sampler, args.out) == (2, 4, "hf", "runs/x")
+    assert (args.window, args.seed) == (remix.Args.window, flags.RunArgs.seed)
+    assert type(args) is type(flags.settings(remix.Args)) and len(dataclasses.fields(args)) == \
+        len(dataclasses.fields(remix.Args)) + len(dataclasses.fields(flags.RunArgs))
+    assert pickle.loads(pickle.dumps(args)) == args  # as the one Args of before was (a class made at run time)
+    for typo in ("stpes", "sampelr"):
+        with pytest.raises(TypeError, match=typo):
+            flags.settings(remix.Args, **{typo: 2})
+    with pytest.raises(TypeError, match=r"flags.settings\(Args, ...\)"):
+        remix.train(remix.Args(steps=2))
+
+
+def test_a_forks_new_setting_is_a_flag_of_the_method_with_its_range_checked(tmp_path, monkeypatch, capsys):
+    """A fork adds a field to its Args as remix.py's are written: it is a flag of the method's group, parsed flat
+    beside the run's, its range read from its docstring and checked, a misspelling of it named; a field named as a
+    run's setting is refused in one line."""
+    import dataclasses
+    import importlib.util
+
+    from machinery import runner
+
+    anchor = '    value_clip: float = 0.5\n'
+    added = '    clip_eps_high: float = 0.28\n    """eps_high, in (0, 1): the upper clip range (DAPO)"""\n'
+    source = (ROOT / "remix.py").read_text()
+    assert source.count(anchor) == 1
+    (tmp_path / "remix_mine.py").write_text(source.replace(anchor, added + anchor))
+    spec = importlib.util.spec_from_file_location("remix_mine_settings", tmp_path / "remix_mine.py")
+    fork = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork)
+    rows = help_rows(fork.Args, "remix_mine", monkeypatch, capsys)
+    assert rows["method options"] == flags_of(remix.Args)[:flags_of(remix.Args).index("--value-clip")] + \
+        ["--clip-eps-high"] + flags_of(remix.Args)[flags_of(remix.Args).index("--value-clip"):]
+    assert rows["run options"] == flags_of(flags.RunArgs)
+    parsed = runner.cli(fork.Args, "remix_mine", ["--clip-eps-high", "0.3", "--sampler", "hf", "--clip-eps", "0.1"])
+    assert (parsed.clip_eps_high, parsed.sampler, parsed.clip_eps) == (0.3, "hf", 0.1)
+    assert flags.ranges(type(parsed))["clip_eps_high"] == "in (0, 1)"
+    with pytest.raises(SystemExit) as exit_info:
+        flags.check_ranges(dataclasses.replace(parsed, clip_eps_high=1.5))
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "remix: error: --clip-eps-high must be in (0, 1), got 1.5"]
+    monkeypatch.setattr(sys, "argv", ["remix_mine.py", "--clip-eps-hihg", "0.3"])
+    with pytest.raises(SystemExit):
+        runner.cli(fork.Args, "remix_mine")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "remix_mine: error: --clip-eps-hihg is no flag of remix_mine.py; did you mean --clip-eps-high? "
+        "(remix_mine.py --help lists them)"]
+    (tmp_path / "clash.py").write_text("from dataclasses import dataclass\n\n\n@dataclass\nclass Args:\n"
+                                       "    seed: int = 3\n    \"\"\"in [0, 9]: the method's own seed\"\"\"\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import clash
+
+    with pytest.raises(SystemExit) as exit_info:
+        flags.settings_type(clash.Args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "Args.seed" in err[0] and "a setting of the run" in err[0]
 
 
 @pytest.mark.slow
@@ -538,7 +651,7 @@ def test_a_saved_flag_under_its_floor_is_refused_before_a_resume_runs_a_step(fin
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
     state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)
-    state["args"]["temperature"] = 1e-300
+    state["args"]["method"]["temperature"] = 1e-300
     torch.save(state, out / "checkpoint-2" / "trainer_state.pt")
     done = run_remix("--resume", str(out), "--steps", "3")
     one_error_line(done, "--temperature must be in [0.01, 100], got 1e-300")
@@ -811,7 +924,8 @@ def test_the_engine_runs_in_process_and_a_push_that_misses_a_weight_stops_the_ru
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's environment asks for another process
     dist.init()
-    args = remix.finalize_args(remix.Args(model=tiny_model, max_prompt_tokens=64, max_response_tokens=16))
+    args = remix.finalize_args(flags.settings(remix.Args, model=tiny_model, max_prompt_tokens=64,
+                                              max_response_tokens=16))
     llm = engines.start(args)
     assert type(llm.llm_engine.engine_core).__name__ == "InprocClient"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING is ignored" in capsys.readouterr().out

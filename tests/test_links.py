@@ -403,11 +403,11 @@ def resume_in_process(capsys):
     """start(out) for check_planted: the resume to step 2 in this process (seconds where a new process takes tens)."""
     def start(out):
         import remix
-        from machinery import runfolder
+        from machinery import flags, runfolder
 
         code = 0
         try:
-            remix.train(remix.Args(resume=str(out), steps=2))
+            remix.train(flags.settings(remix.Args, resume=str(out), steps=2))
         except SystemExit as exit_info:
             code = exit_info.code
         finally:

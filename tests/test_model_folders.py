@@ -23,7 +23,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
-from machinery import checkpoints, models, paths, runfolder, safeload  # noqa: E402
+from machinery import checkpoints, flags, models, paths, runfolder, safeload  # noqa: E402
 from tests.common import ROOT, one_error_line, read_metrics, refused_in_one_line, run_remix, tiny_cli  # noqa: E402
 
 
@@ -319,7 +319,7 @@ def resume_refused(capsys, out: Path, message: str, **given):
     before = snapshot(out)
     try:
         with pytest.raises(SystemExit) as exit_info:
-            remix.train(remix.Args(resume=str(out), **given))
+            remix.train(flags.settings(remix.Args, resume=str(out), **given))
     finally:
         runfolder.unlock()  # the folder is locked by this process until it ends; the resume after is another
     err = capsys.readouterr().err.strip().splitlines()
@@ -367,20 +367,20 @@ def test_a_resume_takes_the_new_place_of_a_moved_model_and_dataset_and_continues
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [comparable(r) for r in read_metrics(straight)] == \
         [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in resumed]
-    saved = safeload.read_pt(str(out / "checkpoint-4" / "trainer_state.pt"))["args"]
+    saved = safeload.read_pt(str(out / "checkpoint-4" / "trainer_state.pt"))["args"]["run"]
     assert (saved["model"], saved["dataset"]) == (str(moved_base), str(moved_data))  # the next resume needs no flag
 
 
 def test_a_flag_typed_at_its_default_value_on_a_resume_is_named_as_ignored(tmp_path, monkeypatch, capsys):
-    saved = dataclasses.asdict(remix.Args(steps=2, kl_beta=0.01, out=str(tmp_path)))
+    saved = dataclasses.asdict(flags.settings(remix.Args, steps=2, kl_beta=0.01, out=str(tmp_path)))
     monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--kl-beta", str(remix.Args.kl_beta),
                                       "--no-reincarnation"])
-    resumed = checkpoints.resume_args(remix.Args(resume=str(tmp_path), reincarnation=False), saved, 2)
+    resumed = checkpoints.resume_args(flags.settings(remix.Args, resume=str(tmp_path), reincarnation=False), saved, 2)
     assert resumed.kl_beta == 0.01 and resumed.reincarnation is True
     out = capsys.readouterr().out
     assert "ignored: --reincarnation, --kl-beta" in out, out
     monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--kl-beta", "0.01"])  # the saved value
-    checkpoints.resume_args(remix.Args(resume=str(tmp_path), kl_beta=0.01), saved, 2)
+    checkpoints.resume_args(flags.settings(remix.Args, resume=str(tmp_path), kl_beta=0.01), saved, 2)
     assert "ignored" not in capsys.readouterr().out
 
 
@@ -442,7 +442,7 @@ def test_a_dataset_edited_in_place_is_named_on_resume_and_goes_on_only_when_aske
                                     f"(another SHA-256 than it recorded); put back (or give the place of) the data the "
                                     f"run began with, or pass --resume-changed-data", steps=2)
         try:
-            remix.train(remix.Args(resume=str(out), steps=2, resume_changed_data=True))
+            remix.train(flags.settings(remix.Args, resume=str(out), steps=2, resume_changed_data=True))
         finally:
             runfolder.unlock()
         assert "going on with it as it is now (--resume-changed-data)" in capsys.readouterr().out
@@ -513,8 +513,9 @@ def test_the_base_model_is_checked_by_its_recorded_digests_moved_or_in_place(rec
     assert set(weights["files"]) == {"model.safetensors"} and weights["revision"] is None
     moved = tmp_path / "moved"
     shutil.copytree(recorded.base, moved)
-    args = remix.Args(**{**state["args"], "model": str(moved), "resume": str(out)})
-    paths.check_resumed(args, state["args"], state["inputs"], str(out / "checkpoint-1"))  # no SystemExit
+    saved = flags.from_saved(state["args"])
+    args = flags.settings(remix.Args, **{**saved, "model": str(moved), "resume": str(out)})
+    paths.check_resumed(args, saved, state["inputs"], str(out / "checkpoint-1"))  # no SystemExit
     weights_file = recorded.base / "model.safetensors"
     os.utime(weights_file)
     assert paths.model_changed(str(recorded.base), weights) is None

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import remix  # noqa: E402
-from machinery import plan, runfolder, runner, safeload  # noqa: E402
+from machinery import flags, plan, runfolder, runner, safeload  # noqa: E402
 from tests.common import ROOT, full_state, read_metrics, tiny_args  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
@@ -28,7 +28,7 @@ R1_15B = str(CONFIGS / "deepseek-r1-distill-qwen-1.5b.json")
 
 def paper_args(**changes):
     """The defaults of a GPU run (bf16, checkpointing), as remix.finalize_args fills them on a GPU."""
-    args = remix.finalize_args(remix.Args(**changes))
+    args = remix.finalize_args(flags.settings(remix.Args, **changes))
     args.precision = "bf16"
     return args
 
@@ -232,7 +232,7 @@ def test_the_machine_is_read_for_what_is_free(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dist, "all_gather", lambda obj: [(50e9, 80e9), obj, (45e9, 80e9)])
     monkeypatch.setattr(plan, "device_memory", lambda: (30e9, 80e9))
-    assert plan.readings(remix.Args(out=str(tmp_path / "out")))["device"] == (30e9, 80e9)
+    assert plan.readings(flags.settings(remix.Args, out=str(tmp_path / "out")))["device"] == (30e9, 80e9)
 
 
 # ----------------------------------------------------------------------------------------------

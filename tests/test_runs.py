@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a script, under torchrun
 
 import remix  # noqa: E402
-from machinery import checkpoints, console, data, dist, engines, evaluation, grader, models, runner  # noqa: E402
+from machinery import checkpoints, console, data, dist, engines, evaluation, flags, grader, models, runner  # noqa: E402
 from test_remix import prepared_update_case, run_update  # noqa: E402
 from tests.common import DATA, ROOT, full_state, read_metrics, tiny_args, wait_into_step_3  # noqa: E402
 
@@ -147,7 +147,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(sampler, tiny_model, 
 def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as exit_info:
-        remix.train(remix.Args(resume=str(tmp_path / "empty")))
+        remix.train(flags.settings(remix.Args, resume=str(tmp_path / "empty")))
     assert exit_info.value.code == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
 
@@ -189,13 +189,13 @@ def test_a_resume_by_another_method_or_with_an_unknown_saved_flag_is_one_line(ca
     and sha256 starts) unless --resume-other-method; a saved flag the resuming Args lacks is refused naming it and
     its value, with that flag too; the same method, and a run from before the record, pass."""
     mine, theirs = {"file": "remix.py", "sha256": "a" * 64}, {"file": "remix_mine.py", "sha256": "b" * 64}
-    saved, args = dataclasses.asdict(remix.Args()), remix.Args(resume="runs/x")
+    saved, args = dataclasses.asdict(flags.settings(remix.Args)), flags.settings(remix.Args, resume="runs/x")
     one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"method": theirs, "args": saved}, mine),
                   "was written by remix_mine.py (sha256 bbbbbbbbbbbb), not by remix.py (sha256 aaaaaaaaaaaa): "
                   "resume it with remix_mine.py; or pass --resume-other-method")
     one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"method": {**mine, "sha256": "c" * 64},
                                                                   "args": saved}, mine), "another version of it")
-    other = remix.Args(resume="runs/x", resume_other_method=True)
+    other = flags.settings(remix.Args, resume="runs/x", resume_other_method=True)
     checkpoints.check_writer(other, {"method": theirs, "args": saved}, mine)
     checkpoints.check_writer(args, {"method": mine, "args": saved}, mine)
     checkpoints.check_writer(args, {"args": saved}, mine)
@@ -223,16 +223,16 @@ def test_datasets_load_from_parquet_and_json_lists_and_name_what_is_wrong(tmp_pa
 
 def test_resume_refusals_get_one_line(tmp_path, capsys):
     one_line_exit(capsys, lambda: checkpoints.latest(str(tmp_path / "nowhere")), "no such run folder")
-    args = remix.Args(resume=str(tmp_path), steps=3)
-    one_line_exit(capsys, lambda: checkpoints.resume_args(args, dataclasses.asdict(remix.Args()), 5),
+    args = flags.settings(remix.Args, resume=str(tmp_path), steps=3)
+    one_line_exit(capsys, lambda: checkpoints.resume_args(args, dataclasses.asdict(flags.settings(remix.Args)), 5),
                   "the run has finished 5 steps, more than --steps 3")
 
 
 def test_resume_steps_given_at_the_default_value_still_extend_the_run(tmp_path, monkeypatch):
     """--resume OUT --steps 350 after a 2-step run extends it to 350, though 350 is --steps' default; without
     --steps the saved 2 stands."""
-    saved = dataclasses.asdict(remix.Args(steps=2, out=str(tmp_path)))
-    args = remix.Args(resume=str(tmp_path))
+    saved = dataclasses.asdict(flags.settings(remix.Args, steps=2, out=str(tmp_path)))
+    args = flags.settings(remix.Args, resume=str(tmp_path))
     monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--steps", str(remix.Args.steps)])
     assert checkpoints.resume_args(args, saved, 2).steps == remix.Args.steps
     monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path)])
@@ -241,11 +241,12 @@ def test_resume_steps_given_at_the_default_value_still_extend_the_run(tmp_path, 
 
 def test_a_model_folder_without_a_model_and_a_missing_vllm_get_one_line(tmp_path, capsys, monkeypatch):
     dist.init()
-    one_line_exit(capsys, lambda: models.load(remix.finalize_args(remix.Args(model=str(tmp_path)))),
+    one_line_exit(capsys, lambda: models.load(remix.finalize_args(flags.settings(remix.Args, model=str(tmp_path)))),
                   f"cannot load model {str(tmp_path)!r}")
     one_line_exit(capsys, lambda: runner.load_tokenizer(str(tmp_path)), f"cannot load model {str(tmp_path)!r}")
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
-    one_line_exit(capsys, lambda: engines.start(remix.finalize_args(remix.Args())), "vLLM is not installed")
+    one_line_exit(capsys, lambda: engines.start(remix.finalize_args(flags.settings(remix.Args))),
+                  "vLLM is not installed")
 
 
 def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
@@ -768,8 +769,6 @@ def distributed_main(argv: list[str]):
 def engine_tokens_main(argv: list[str]):
     """torchrun --nproc-per-node 2 test_remix.py engine-tokens OUT REMIX_FLAGS...: remix.train with the token ids of
     every vLLM call saved per rank (OUT/engine-tokens-rankR.pt), to compare the ranks of one engine."""
-    import tyro
-
     calls, real = [], engines.vllm_generate
 
     def spy(*args, **kwargs):
@@ -778,7 +777,7 @@ def engine_tokens_main(argv: list[str]):
         return result
 
     engines.vllm_generate = spy
-    remix.train(tyro.cli(remix.Args, args=argv[2:]))
+    remix.train(runner.cli(remix.Args, argv=argv[2:]))
     torch.save(calls, Path(argv[1]) / f"engine-tokens-rank{dist.rank()}.pt")
     dist.barrier()
     os._exit(0)
@@ -886,7 +885,7 @@ def test_a_refusal_on_a_rank_other_than_0_is_said_by_that_rank(monkeypatch, caps
 REFUSING = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from machinery import dist, messages, run, signals
+from machinery import console, dist, runner
 
 def program():  # as remix.py and eval.py run, checking an input once the process group is there
     console.catch_interrupts()
@@ -1290,7 +1289,8 @@ def test_the_method_imports_without_the_command_lines_parser(tmp_path):
     """A bare GPU machine has torch and transformers but no tyro: gpu_check imports remix.py there, and
     `python remix.py` without tyro says what to install, in one line."""
     hide = "import sys; sys.modules['tyro'] = None; "  # a module set to None cannot be imported
-    done = subprocess.run([sys.executable, "-c", hide + "import remix; print(remix.Args().prompts_per_step)"],
+    settings = "import remix; from machinery import flags; print(flags.settings(remix.Args).prompts_per_step)"
+    done = subprocess.run([sys.executable, "-c", hide + settings],
                           cwd=HERE, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
     main = hide + "sys.argv = ['remix.py', '--help']; import runpy; runpy.run_path('remix.py', run_name='__main__')"
@@ -1335,15 +1335,17 @@ for name, path, algos in json.loads(sys.argv[1]):
         out = os.path.join(os.path.dirname(path), name + "-" + algo)
         engines.hf_generate = generate  # the same right answers, drawn anew, for every fork and algorithm
         test_remix.scripted_right_answers(types.SimpleNamespace(setattr=setattr), {data!r})
-        remix.train(remix.Args(**{args!r}, algo=algo, out=out, group_size=2 if algo == "grpo" else 1))
-        remix.train(remix.Args(resume=out, steps=3))
+        remix.train(flags.settings(remix.Args, **{args!r}, algo=algo, out=out,
+                                   group_size=2 if algo == "grpo" else 1))
+        remix.train(flags.settings(remix.Args, resume=out, steps=3))
     tried, refused, started = 0, 0, time.perf_counter()  # the fork's own flag checks: each value just outside a
-    # numeric flag's range is refused
-    for flag, bound in flags.ranges(remix.Args).items():
-        for value in bad_values(bound, typing.get_type_hints(remix.Args)[flag] in (int, int | None)):
+    # numeric flag's range is refused, the method's and the run's
+    every = flags.settings_type(remix.Args)
+    for flag, bound in flags.ranges(every).items():
+        for value in bad_values(bound, typing.get_type_hints(every)[flag] in (int, int | None)):
             tried += 1
             try:
-                remix.train(remix.Args(**{{**{args!r}, "out": out + "-refused", flag: value}}))
+                remix.train(flags.settings(remix.Args, **{{**{args!r}, "out": out + "-refused", flag: value}}))
             except SystemExit as stop:
                 refused += stop.code == 2
     print("FLAGS", name, round(time.perf_counter() - started, 1), "s", flush=True)
@@ -1351,7 +1353,7 @@ for name, path, algos in json.loads(sys.argv[1]):
     replay = collections.deque([[[{{"b": 0}}] for _ in range(4)], [[{{"b": 1}}] for _ in range(4)]], maxlen=2)
     probe = sum(remix.draw_history(replay, 1)[0][0]["b"] for _ in range(4000)) / 4000
     print("FORK", json.dumps(dict(name=name, probe=probe, tried=tried, refused=refused, numeric=list(flags.ranges(
-        remix.Args)), budget=getattr(remix, "RESPONSE_BUDGET", {{}}).get("tokens"), refused_out=os.path.exists(
+        every)), budget=getattr(remix, "RESPONSE_BUDGET", {{}}).get("tokens"), refused_out=os.path.exists(
         out + "-refused"))), flush=True)
 """
 
@@ -1482,7 +1484,7 @@ def test_a_fork_under_another_name_trains_evaluates_and_grades_with_its_own_func
     args = dataclasses.asdict(tiny_args(tiny_model, train_file, out, algo="grpo", group_size=2, prompts_per_step=4,
                                         steps=1, eval_every=1, eval_benchmarks=("aime24",), eval_limit=2,
                                         eval_max_tokens=8, log_completions=2))
-    remix_mine.train(remix_mine.Args(**args))
+    remix_mine.train(flags.settings(remix_mine.Args, **args))
     rows = read_metrics(out)
     assert [r["eval/aime24/pass@1"] for r in rows] == [100.0, 100.0] and rows[1]["reward/mean"] == 1.0
     for step in (0, 1):
@@ -1516,25 +1518,27 @@ def test_a_run_resumes_only_with_the_method_that_wrote_it_and_drops_no_saved_fla
     tiny = dict(model=tiny_model, dataset=train_file, prompts_per_step=4, max_response_tokens=16, mini_batch_prompts=2,
                 sampler="hf", save_every=1, seed=3, eval_every=0, log_completions=0, algo="grpo", group_size=2)
     out = tmp_path / "fork-run"
-    fork.train(fork.Args(**tiny, steps=1, out=str(out)))
+    fork.train(flags.settings(fork.Args, **tiny, steps=1, out=str(out)))
     state = torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)
     assert state["method"] == {"file": "remix_dapo_clip_higher.py",
                                "sha256": hashlib.sha256(fork_path.read_bytes()).hexdigest()}
     capsys.readouterr()
-    one_line_exit(capsys, lambda: remix.train(remix.Args(resume=str(out), steps=2)),
+    one_line_exit(capsys, lambda: remix.train(flags.settings(remix.Args, resume=str(out), steps=2)),
                   f"was written by remix_dapo_clip_higher.py (sha256 {state['method']['sha256'][:12]}), not by remix.py")
-    one_line_exit(capsys, lambda: remix.train(remix.Args(resume=str(out), steps=2, resume_other_method=True)),
+    one_line_exit(capsys, lambda: remix.train(flags.settings(remix.Args, resume=str(out), steps=2,
+                                                             resume_other_method=True)),
                   "saved argument --clip-eps-high = 0.28 is no flag of remix.py")
     assert not (out / "checkpoint-2").exists()
-    fork.train(fork.Args(resume=str(out), steps=2))
+    fork.train(flags.settings(fork.Args, resume=str(out), steps=2))
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
-    assert torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["args"]["clip_eps_high"] == 0.28
+    saved = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["args"]
+    assert saved["method"]["clip_eps_high"] == 0.28 and "clip_eps_high" not in saved["run"]
     copy = load_file(shutil.copy(HERE / "remix.py", tmp_path / "remix_copy.py"), "remix_copy")
     out = tmp_path / "copy-run"
-    copy.train(copy.Args(**tiny, steps=1, out=str(out)))
+    copy.train(flags.settings(copy.Args, **tiny, steps=1, out=str(out)))
     capsys.readouterr()
-    one_line_exit(capsys, lambda: remix.train(remix.Args(resume=str(out), steps=2)), "not by remix.py")
-    remix.train(remix.Args(resume=str(out), steps=2, resume_other_method=True))
+    one_line_exit(capsys, lambda: remix.train(flags.settings(remix.Args, resume=str(out), steps=2)), "not by remix.py")
+    remix.train(flags.settings(remix.Args, resume=str(out), steps=2, resume_other_method=True))
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     assert torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["method"]["file"] == "remix.py"
 
@@ -1555,8 +1559,9 @@ def test_eval_grades_with_the_method_it_is_named_and_says_when_another_trained_t
         (tmp_path / folder / name).write_text(source)
     fork = load_file(tmp_path / "mine" / "remix_mine.py", "remix_mine")
     run_folder = tmp_path / "run"
-    fork.train(fork.Args(model=tiny_model, dataset=train_file, prompts_per_step=2, max_response_tokens=8, steps=1,
-                         sampler="hf", save_every=1, eval_every=0, log_completions=0, out=str(run_folder)))
+    fork.train(flags.settings(fork.Args, model=tiny_model, dataset=train_file, prompts_per_step=2,
+                              max_response_tokens=8, steps=1, sampler="hf", save_every=1, eval_every=0,
+                              log_completions=0, out=str(run_folder)))
     model = run_folder / "checkpoint-1"
     for method, score, said in ((tmp_path / "mine" / "remix_mine.py", 100.0, False), (None, 0.0, True),
                                 (tmp_path / "clash" / "remix.py", 100.0, True)):

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
-from machinery import engines  # noqa: E402
+from machinery import engines, flags  # noqa: E402
 from tests import sleep_mode  # noqa: E402
 from tests.common import ROOT, read_metrics, tiny_args  # noqa: E402
 
@@ -48,7 +48,7 @@ def tokens(llm, prompts):
 def test_the_stand_in_sleeps_and_wakes_as_vllm_does(tiny_model, stand_in, caplog):
     from transformers import AutoModelForCausalLM
 
-    args = remix.finalize_args(remix.Args(model=tiny_model, sampler="vllm", precision="fp32"))
+    args = remix.finalize_args(flags.settings(remix.Args, model=tiny_model, sampler="vllm", precision="fp32"))
     llm = engines.start(args, 256)
     assert engines.sleeps(llm) and llm is stand_in[0]
     prompts = [[72, 105, 33], [50, 43, 50, 61]]
@@ -137,7 +137,7 @@ def test_training_with_sleep_mode_runs_every_sequence_and_changes_nothing(tiny_m
     # the resume pushes the checkpoint's weights into a new engine, which samples step 3 alike
     resumed = tmp_path / "resumed"
     remix.train(sleep_run(tiny_model, train_file, resumed, steps=2))["llm"] = None
-    state = remix.train(remix.Args(resume=str(resumed), steps=3))
+    state = remix.train(flags.settings(remix.Args, resume=str(resumed), steps=3))
     assert [c[0] for c in stand_in[-1].calls][:2] == ["reload_weights", "generate"]
     state["llm"] = None
     same_run(read_metrics(resumed), sleepy)
@@ -186,7 +186,8 @@ def test_a_gpu_engine_generates_on_one_thread_and_the_trainer_keeps_its_own(tiny
     on a GPU engine runs on one and gives the count back. The CPU engine's threads are left alone."""
     from machinery import dist
 
-    llm = engines.start(remix.finalize_args(remix.Args(model=tiny_model, sampler="vllm", precision="fp32")), 256)
+    llm = engines.start(remix.finalize_args(flags.settings(remix.Args, model=tiny_model, sampler="vllm",
+                                                           precision="fp32")), 256)
     seen, real = [], llm._llm.generate
     llm._llm.generate = lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1]
     engines._set_threads(2)

@@ -212,10 +212,12 @@ def test_method_args_are_read_by_the_methods_own_args(tmp_path, capsys):
 
 
 def test_method_args_refuse_each_flag_the_toy_sets_for_both_arms_naming_the_toys_own(monkeypatch, capsys):
-    """Every field the toy gives remix.Args (spied on at run_args, for every configuration) is refused in one line
-    that says what to give instead: the toy's --steps, --lr, --configs, ... or that the toy fixes it."""
+    """Every field the toy gives a run's settings (spied on at run_args, for every configuration) is refused in one
+    line that says what to give instead: the toy's --steps, --lr, --configs, ... or that the toy fixes it."""
+    from machinery import flags
+
     given = set()
-    monkeypatch.setattr(remix, "Args", lambda **fields: given.update(fields))
+    monkeypatch.setattr(flags, "settings", lambda cls, **fields: given.update(fields))
     for config in toy.CONFIGS:
         toy.run_args(config, 1, 3e-5, 24, 12, "toy", toy.Path("out"))
     monkeypatch.undo()

@@ -292,12 +292,15 @@ def shared_settings(steps: int, T: int, lr: float) -> dict:
 
 def run_args(config: str, seed: int, lr: float, steps: int, T: int, toy: str, folder: Path,
              method_flags: dict | None = None):
-    """One run's remix.Args: the toy's settings, the configuration's, and on a method's arm its own flags."""
+    """One run's settings (remix.Args and the run's): the toy's, the configuration's, and on a method's arm its own
+    flags."""
     import remix
+    from machinery import flags
 
     overrides = {k: v for k, v in config_of(config).items() if k != "fork"}
-    return remix.Args(**{**shared_settings(steps, T, lr), **overrides, **(method_flags or {})},
-                      model=str(Path(toy) / "base"), dataset=str(Path(toy) / "train.jsonl"), out=str(folder), seed=seed)
+    return flags.settings(remix.Args, **{**shared_settings(steps, T, lr), **overrides, **(method_flags or {})},
+                          model=str(Path(toy) / "base"), dataset=str(Path(toy) / "train.jsonl"), out=str(folder),
+                          seed=seed)
 
 
 def zero_spread_share(samples: list[dict]) -> float | None:
@@ -859,7 +862,7 @@ def write_outputs(results: list[dict], cli: ToyArgs, out: Path, saved: dict | No
 METHOD_CONFIGS = ("remix-grpo", "remix-ppo")  # --method's default configurations
 PROBE_STEPS = 2  # the probe: both arms' first steps of the first configuration at seed 1, the weights compared
 CHECK_SECONDS = 300  # the early check's child process: an import that takes longer is one line
-# remix.Args fields the toy sets for both arms, beyond shared_settings and the configurations, and its flag for each
+# settings of a run (remix.Args, RunArgs) the toy sets for both arms, beyond shared_settings and the configurations
 TOY_FLAGS = {"steps": "--steps", "reincarnate_step": "--reincarnate-step", "kl_convex_start": "--reincarnate-step",
              "kl_convex_every": "--reincarnate-step", "actor_lr": "--lr", "eval_every": "--eval-every",
              "seed": "--seeds", "out": "--out", "model": "--cache", "dataset": "--cache", "resume": None,
@@ -959,7 +962,8 @@ def typed(kind, text: str, flag: str):
 
 
 def parse_method_args(cls, text: str, source: str = "the method") -> dict:
-    """--method-args, written as on the method's command line, read by its Args (cls) into fields of their types:
+    """--method-args, written as on the method's command line, read by its Args (cls) and the run's settings beside
+    them (as its command line reads them: machinery.flags.settings_type) into fields of their types:
     '--my-flag 0.3 --other --no-kl-convex' -> {'my_flag': 0.3, 'other': True, 'kl_convex': False}; a tuple field
     takes the values up to the next flag. An unknown flag, a value that does not read, or a flag the toy sets for
     both arms is one line naming the flag (refuse)."""
@@ -970,7 +974,10 @@ def parse_method_args(cls, text: str, source: str = "the method") -> dict:
         tokens = shlex.split(text)
     except ValueError as error:
         refuse(f"--method-args={text!r} does not split into flags ({error})")
-    fields, hints, parsed = [f.name for f in dataclasses.fields(cls)], typing.get_type_hints(cls), {}
+    from machinery import flags
+
+    every = flags.settings_type(cls)
+    fields, hints, parsed = [f.name for f in dataclasses.fields(every)], typing.get_type_hints(every), {}
     while tokens:
         token = tokens.pop(0)
         if not token.startswith("--") or token == "--":
@@ -1514,4 +1521,4 @@ def joined_method_args(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     from machinery import runner as program  # not "run": the toy's own run() is a global of this module
 
-    main(program.cli(ToyArgs, "toy", joined_method_args(sys.argv[1:])))
+    main(program.parse(ToyArgs, "toy", joined_method_args(sys.argv[1:])))
