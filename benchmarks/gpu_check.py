@@ -14,22 +14,22 @@ and its parsers; pure Python, about 1 MiB), installed there with
 `pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site`. vLLM is used where
 it is installed (the sleep, push and wake cycle then runs every step); else transformers' generate.
 
-How long: on one H200 the quick check is about 4-5 minutes (figures measured there before: building the 1.5B model and
-the micro-batch part about 1.5 minutes, a three-step GRPO run of 128-token responses 80 s; the PPO run is shorter
-here, at 128 tokens, than the 220 s measured at 512). --budget-s (330 s by default) stops it starting a part once it
-is past that, recording the part as skipped, and --limit-s (400 s by default) stops a part that is still running then
-(an alarm; also --part-limit-s, 240 s, for any one part), recording it as timed out. The worst case is so --limit-s
-plus the cleanup of the part that was stopped (its engine shut down, its folders removed): under 7 minutes. Each part
-is guarded: one that raises, calls fail() (SystemExit) or times out is recorded with its error and the rest still run,
-and the check exits 1 at the end if any part failed; a SIGTERM or Ctrl-C ends the check (143, 130), also once a
-remix run has put its own handlers in place. After each part, every model it loaded must be gone (weak references;
-on a GPU also the memory still allocated, in the report's "leftovers"): one still alive fails the check.
-OUT_DIR/gpu_check.json is rewritten as each part finishes, every engine is shut down before the next part, and nothing
-large is left under OUT_DIR whatever happens (a part's run folders go with it, failed or not, and the 1.5B model
-folder goes at the end, also after a failure or a SIGTERM): OUT_DIR ends with gpu_check.json and problems.jsonl. No
-checkpoint of the 1.5B models is written (about 43 GB for PPO, 25 GB for GRPO: a 64 GiB disk holds neither twice); the
-save part saves and resumes a small model instead. Without CUDA it runs the same code on the CPU with a tiny model and
-short lengths, as a dry run (a test runs it, and one with a planted fail() in a part).
+How long: on one H200 the quick check took 119 s (docs/gpu/run6: the micro-batch part 13 s, a three-step GRPO run of
+128-token responses 42 s, PPO 50 s) and --full --parts micro,ppo 180 s (run8). --budget-s (330 s by default) stops
+it starting a part once it is past that, recording the part as skipped, and --limit-s (400 s by default) stops a
+part that is still running then (an alarm; also --part-limit-s, 240 s, for any one part), recording it as timed out.
+The worst case is so --limit-s plus the cleanup of the part that was stopped (its engine shut down, its folders
+removed): under 7 minutes. Each part is guarded: one that raises, calls fail() (SystemExit) or times out is recorded
+with its error and the rest still run, and the check exits 1 at the end if any part failed; a SIGTERM or Ctrl-C ends
+the check (143, 130), also once a remix run has put its own handlers in place. After each part, every model it
+loaded must be gone (weak references; on a GPU also the memory still allocated, in the report's "leftovers"): one
+still alive fails the check. OUT_DIR/gpu_check.json is rewritten as each part finishes, every engine is shut down
+before the next part, and nothing large is left under OUT_DIR whatever happens (a part's run folders go with it,
+failed or not, and the 1.5B model folder goes at the end, also after a failure or a SIGTERM): OUT_DIR ends with
+gpu_check.json and problems.jsonl. No checkpoint of the 1.5B models is written (about 43 GB for PPO, 25 GB for GRPO:
+a 64 GiB disk holds neither twice); the save part saves and resumes a small model instead. Without CUDA it runs the
+same code on the CPU with a tiny model and short lengths, as a dry run (a test runs it, and one with a planted
+fail() in a part).
 
 1. micro: the memory a run holds between updates (policy and critic with their fp32 masters and AdamW states,
    the bf16 reference), read after a real `remix.update` has released its gradients; then one policy and one
