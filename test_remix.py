@@ -1148,8 +1148,8 @@ def gradients_at_each_step(tiny_model, monkeypatch, objective) -> list[dict]:
     gradient of the policy and of the critic as it reaches the step (None where a parameter has none)."""
     monkeypatch.setattr(remix, "objective", objective)
     dist.init()
-    args = remix.finalize_args(remix.Args(model=tiny_model, algo="ppo", sampler="hf", kl_beta=0.1, ent_coef=0.01,
-                                          mini_batch_prompts=2, out="unused"))
+    args = remix.finalize_args(flags.settings(remix.Args, model=tiny_model, algo="ppo", sampler="hf", kl_beta=0.1,
+                                              ent_coef=0.01, mini_batch_prompts=2, out="unused"))
     policy, reference, critic = models.load(args)
     optimizers = [models.optimizer(net, 1e-3, 0.01, False) for net in (policy, critic)]
     whole = lambda g: None if g is None else g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731
