@@ -22,7 +22,7 @@ hands it, the engines draw the responses with the seeds and settings remix.py pa
     engines      the samplers: vLLM (start, generate, sleep, weight push), transformers' generate, their KV cache
     models       loading the models, precision, the chunked output layer, collation, the optimizer, the finite guard
     data         training problems from files or the hub, checked row by row; the prompt stream
-    flags        each numeric flag's range (both bounds) from its docstring; impossible combinations; model path, hub
+    flags        the run's settings (RunArgs, beside remix.Args); each numeric flag's range; impossible combinations
     safeload     model, tokenizer and checkpoint files read without running anything they hold, and checked
     runfolder    the run folder's lock, refusing to clobber a run; every write under --out, never through a link
     dist         several processes: the process group, reductions, FSDP2 sharding, mini- and micro-batches over ranks
