@@ -371,7 +371,8 @@ def _in_the_way(out: str, path: str, kind: str, allowed: tuple = ()) -> str | No
             return str(runfolder.Linked(place))
         folder_there = not last or kind in ("folder", "tree", "replaced")
         if folder_there and not stat.S_ISDIR(mode) and not stat.S_ISLNK(mode):
-            return f"{place} is a file, not a folder, and the run writes a folder there: move it away"
+            what = "is a file, not a folder" if stat.S_ISREG(mode) else "is not a folder (a FIFO, socket or device)"
+            return f"{place} {what}, and the run writes a folder there: move it away"
         if last and kind == "file" and stat.S_ISDIR(mode):
             return f"{place} is a folder, and the run writes a file there: move it away"
         if last and kind == "append" and not stat.S_ISREG(mode):

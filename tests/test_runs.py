@@ -767,7 +767,7 @@ def distributed_main(argv: list[str]):
 
 
 def engine_tokens_main(argv: list[str]):
-    """torchrun --nproc-per-node 2 test_remix.py engine-tokens OUT REMIX_FLAGS...: remix.train with the token ids of
+    """torchrun --nproc-per-node 2 tests/test_runs.py engine-tokens OUT REMIX_FLAGS...: remix.train with the token ids of
     every vLLM call saved per rank (OUT/engine-tokens-rankR.pt), to compare the ranks of one engine."""
     calls, real = [], engines.vllm_generate
 
@@ -777,9 +777,11 @@ def engine_tokens_main(argv: list[str]):
         return result
 
     engines.vllm_generate = spy
-    remix.train(runner.cli(remix.Args, argv=argv[2:]))
+    # held, as runner.main holds it: once a tensor-parallel engine is collected, the process group it shares is gone
+    result = remix.train(runner.cli(remix.Args, argv=argv[2:]))
     torch.save(calls, Path(argv[1]) / f"engine-tokens-rank{dist.rank()}.pt")
     dist.barrier()
+    del result
     os._exit(0)
 
 
