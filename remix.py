@@ -2,7 +2,7 @@
 
 Liang et al., "Squeeze the Soaked Sponge: Efficient Off-policy Reinforcement Finetuning for Large
 Language Model", arXiv 2507.06892. Calls into the package it runs on, machinery/, name their module
-(dist., run., ...): skip them.
+(dist., runner., ...): skip them.
 
     replay = deque(maxlen=N)                                  the last N policies' fresh batches
     for k = 1, 2, ...:

@@ -1,9 +1,9 @@
 """The run's settings (RunArgs) and every flag's checks, made before anything is written.
 
-RunArgs (what a run sets beside the method's Args: model and data,
-engines, output, evaluation), the one object a run reads both from (settings), and the checks made before anything
-is written: each numeric field's range, stated in its docstring and read from there (a new flag is one edit, in its
-dataclass), the impossible combinations, the model path and the hub. A reader of the method may skip this module."""
+RunArgs (what a run sets beside the method's Args: model and data, engines, output, evaluation), the one object a
+run reads both from (settings), and the checks made before anything is written: each numeric field's range, stated
+in its docstring and read from there (a new flag is one edit, in its dataclass), the impossible combinations, the
+model path and the hub. A reader of the method may skip this module."""
 
 import ast
 import dataclasses
@@ -128,11 +128,16 @@ def settings_of(method_args: type, values: dict):
     return settings(method_args, **values)
 
 
+def fields_of(args) -> dict:
+    """A dataclass's fields by name, as they are (dataclasses.asdict copies them)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+
+
 def saved(args) -> dict:
     """The settings as a checkpoint saves them, the method's and the run's apart: {"method": {"algo": "ppo", ...},
     "run": {"model": ..., ...}}."""
     run = {f.name for f in dataclasses.fields(RunArgs)}
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    values = fields_of(args)
     return {"method": {k: v for k, v in values.items() if k not in run},
             "run": {k: v for k, v in values.items() if k in run}}
 

@@ -28,7 +28,7 @@ def cli(method_args, prog: str = "remix", argv: list[str] | None = None):
     tyro = parser(prog)
     command = dataclasses.make_dataclass("Command", [("method", method_args), ("run", flags.RunArgs)])
     parsed = parse(tyro.conf.OmitArgPrefixes[command], prog, argv, flags.settings_type(method_args))
-    return flags.settings(method_args, **fields_of(parsed.method), **fields_of(parsed.run))
+    return flags.settings(method_args, **flags.fields_of(parsed.method), **flags.fields_of(parsed.run))
 
 
 def parse(cls, prog: str = "remix", argv: list[str] | None = None, named=None):
@@ -48,11 +48,6 @@ def parser(prog: str):
     except ImportError:
         fail("tyro (the command-line parser) is not installed: pip install -r requirements.txt", prog)
     return tyro
-
-
-def fields_of(args) -> dict:
-    """A dataclass's fields by name, as they are (dataclasses.asdict copies them)."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
 
 
 def unknown_flag_line(unknown: list[str], cls) -> str:
