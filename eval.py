@@ -7,13 +7,11 @@
     python eval.py --regrade runs/eval/samples.jsonl --grader deepscaler --out runs/eval-deepscaler  # grade again
     python eval.py --curves runs/remix runs/remix-grpo --out runs/curves  # Pass@1 against rollouts, from runs' logs
 
-The prompt, the engines and the answer check are training's (the method's build_prompt, the vLLM engine, its
-final_answer and grade_response), through machinery.evaluation, which also evaluates during training. The method is
-remix.py beside this file, or the file --method names (a fork: python eval.py --method remix_mine.py --model M),
-imported from that path: only the command line chooses the code that runs, never a file in --model or --out. Every
-sample is graded by the method's answer check and by DeepScaleR's rules (the grader behind the paper's numbers);
---grader picks which one the table reports, and the table counts the responses on which they disagree. Samples
-are written as each benchmark finishes, and a rerun with the same --out continues where the last one stopped.
+The prompt, the engines and the answer check are training's (machinery.report also evaluates during training). The
+method is remix.py beside this file, or the file --method names (a fork), imported from that path: only the command
+line chooses the code that runs. Every sample is graded by the method's answer check and by DeepScaleR's rules (the
+paper's grader); --grader picks which the table reports. Samples are written as each benchmark finishes, and a rerun
+with the same --out continues where the last one stopped.
 """
 
 if __name__ == "__main__":  # first: a Ctrl-C while torch imports ends in one line too
@@ -23,17 +21,15 @@ if __name__ == "__main__":  # first: a Ctrl-C while torch imports ends in one li
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
-import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from machinery import console, data, dist, evaluation, flags, models, paths, runfolder, runner, safeload
+import deepscaler
+from machinery import checkpoints, console, data, dist, engines, models, report, runfolder, runner
 
 PROG = "eval"
 
@@ -45,13 +41,12 @@ class EvalArgs:
     benchmarks: tuple[str, ...] = ("all",)
     """benchmark names: aime24 amc23 amc83 math500 minerva olympiadbench, or all (the paper's five)"""
     data_dir: str | None = None
-    """folder of <benchmark>.jsonl files (default: the repository's data/benchmarks, the files the paper's numbers
-    are on)"""
+    """folder of <benchmark>.jsonl files (default: the repository's data/benchmarks)"""
     hub: bool = False
     """read the benchmarks from the Hugging Face hub instead of the benchmark folder"""
     protocol: Literal["custom", "paper", "deepscaler"] = "custom"
-    """custom: --n/--temperature/--top-p as given; paper: greedy everywhere, plus temperature 0.1 with 32 seeded
-    runs on AIME and AMC and one on the rest; deepscaler: 16 samples at temperature 0.6, top-p 0.95"""
+    """custom: --n/--temperature/--top-p; paper: greedy, and temperature 0.1 (32 runs on AIME and AMC, 1 on the
+    rest); deepscaler: 16 samples at temperature 0.6, top-p 0.95"""
     n: int = 1
     """in [1, 1024]: samples per problem (custom protocol)"""
     temperature: float = 0.0
@@ -77,18 +72,15 @@ class EvalArgs:
     prompt_suffix: str | None = None
     """appended to every problem (default: the method's Args.prompt_suffix, training's prompt)"""
     method: str | None = None
-    """the method file whose prompt builder, answer extraction and answer check evaluate (a fork of remix.py:
-    remix_mine.py); default: the remix.py beside eval.py"""
+    """the method file whose prompt and answer check evaluate (a fork: remix_mine.py); default: remix.py here"""
     out: str = "runs/eval"
     """output folder: samples.jsonl, summary.json, results.md (and settings.json, to continue an interrupted run)"""
     overwrite: bool = False
     """replace an earlier evaluation in --out instead of continuing it"""
     regrade: str | None = None
-    """grade a saved samples.jsonl again instead of generating (results go to --out, which must not hold an
-    evaluation of a model)"""
+    """grade a saved samples.jsonl again instead of generating (into --out, which holds no evaluation of a model)"""
     curves: tuple[str, ...] = ()
-    """run folders: draw Pass@1 against rollouts and generated tokens, and length and self-reflection against steps,
-    from their metrics.jsonl into --out (PNG)"""
+    """run folders: Pass@1 against rollouts and tokens, length and self-reflection against steps, PNGs into --out"""
     workers: int = 2
     """in [1, 1024]: grading worker processes"""
     grade_timeout: float = 20.0
@@ -103,35 +95,18 @@ def fail(message: str):
     console.fail(message, PROG)
 
 
-_methods = {}  # file -> its module: each method file is imported once per process
-
-
 def load_method(path: str | None):
-    """The method's module, imported from the file the user named with --method (remix.py beside eval.py without
-    it); its METHOD and Args are what eval.py uses. A module of the same name that is another file (the repository's
-    remix.py beside a fork named remix.py) is never taken for it. The file's folder goes last on sys.path: a module
-    of the fork's own beside it is imported, a torch.py or json.py there is never taken for the installed one."""
+    """The method's module (its METHOD and Args), from the file --method names, or remix.py beside eval.py: found by
+    its file, never its name (grader.module_at: its folder last on sys.path)."""
+    from machinery import grader
+
     path = os.path.abspath(path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "remix.py"))
     if not (path.endswith(".py") and os.path.isfile(path)):
         fail(f"--method {path!r} is not a Python file; give the method's file, a copy of remix.py (remix_mine.py)")
-    if path not in _methods:
-        stem = os.path.basename(path)[:-3]
-        same = sys.modules.get(stem)
-        if same is not None and os.path.abspath(getattr(same, "__file__", "") or "") == path:
-            _methods[path] = same  # already imported from this very file (tests import remix)
-        else:
-            # a name of its own: no clash with another module of its stem (the repository's remix, another fork)
-            name = f"eval_method_{hashlib.sha256(path.encode()).hexdigest()[:12]}_" + re.sub(r"\W", "_", stem)
-            if os.path.dirname(path) not in sys.path:  # last: its helpers are found, never its torch.py for torch
-                sys.path.append(os.path.dirname(path))
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-            try:
-                spec.loader.exec_module(module)
-            except Exception as error:
-                fail(f"--method {path}: importing it failed: {type(error).__name__}: {str(error).splitlines()[0]}")
-            _methods[path] = module
-    module = _methods[path]
+    try:
+        module = grader.module_at(path)
+    except Exception as error:
+        fail(f"--method {path}: importing it failed: {type(error).__name__}: {str(error).splitlines()[0]}")
     if not isinstance(getattr(module, "METHOD", None), runner.Method) or not dataclasses.is_dataclass(
             getattr(module, "Args", None)):
         fail(f"--method {path}: it has no METHOD (a machinery.runner.Method) and Args, as remix.py has; give a copy of it")
@@ -158,29 +133,18 @@ def protocol_runs(args: EvalArgs, names: list[str]) -> list[dict]:
 
 def check(args: EvalArgs):
     """Every flag and input that can be checked before a model loads, each with one line."""
-    flags.check_ranges(args, PROG)
+    console.check_ranges(args, PROG)
     if args.protocol == "custom" and args.n > 1 and args.temperature == 0:
         fail("--n > 1 needs --temperature > 0: greedy samples are all the same")
     if args.protocol != "custom" and (args.n, args.temperature, args.top_p) != (1, 0.0, 1.0):
         fail(f"--protocol {args.protocol} sets its own samples, temperature and top-p: drop --n/--temperature/--top-p")
     if args.model is None:
         fail("--model is required (or --regrade SAMPLES.jsonl, or --curves RUN ...)")
-    flags.check_model_path(args.model, PROG)
-    if os.path.isdir(args.model) and not any(any(Path(args.model).glob(p)) for p in ("*.safetensors", "*.bin")):
-        fail(f"model folder {args.model!r} holds no model weights (*.safetensors)")
-    if os.path.isdir(args.model):  # a truncated weights file or a FIFO is named before anything is written
-        try:
-            safeload.check_model_folder(args.model)
-        except ValueError as error:
-            fail(f"cannot load model {args.model!r}: {error}")
-    flags.check_hub({**({"--model": args.model} if flags.is_hub_id(args.model) else {}),
-                   **({"--benchmarks": " ".join(args.benchmarks)} if args.hub else {})}, PROG)
-    flags.check_hub_weights(args.model, PROG)
+    data.check_model_path(args.model, PROG)  # a FIFO in it, pickled weights only: before anything is written
+    data.check_hub(args.model, None, PROG)
     if dist.world() % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the {dist.world()} processes")
     if args.sampler == "vllm" and dist.device().type == "cpu":
-        from machinery import engines
-
         engines.cpu_kv_cache_gib(PROG)  # the CPU engine reads it at its start, after --out is written
     mine, theirs = load_method(args.method).METHOD.record(), trained_by(args.model)
     if theirs is not None and (theirs["file"], theirs.get("sha256")) != (mine["file"], mine["sha256"]):
@@ -190,13 +154,12 @@ def check(args: EvalArgs):
 
 
 def trained_by(model: str) -> dict | None:
-    """The record of the method that trained a checkpoint (its trainer state's, read without running anything), or
-    None for a model that is no checkpoint of a run, or one from before runs recorded it."""
+    """The record of the method that trained a checkpoint (read without running anything), or None."""
     path = os.path.join(model, "trainer_state.pt")
     if not os.path.isfile(path):
         return None
     try:
-        state = safeload.read_pt(path)
+        state = checkpoints.read_pt(path)
     except (ValueError, OSError):  # a damaged state trains nothing here: the evaluation goes on without the line
         return None
     record = state.get("method") if isinstance(state, dict) else None
@@ -217,157 +180,113 @@ def stamp_of(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def saved_settings(out: Path) -> dict | None:
-    """OUT/settings.json (an evaluation's settings, or a regrade's source), or None where there is none."""
+WRITES = ("samples.jsonl", "summary.json", "results.md", "settings.json", runfolder.LOCK)  # --out's files
+
+
+def check_out(args: EvalArgs) -> dict | None:
+    """--out before anything is written there (the lock included), rank 0: nothing the job reads (the model, the
+    benchmark folder, the method file, the samples it regrades) is a file it writes there; no model in it, and no
+    link where the job reads its own files back; unless --overwrite, nothing but an evaluation (a regrade: an earlier
+    regrade). Returns its saved settings.json, or None."""
+    reads = {flag: (value, [value]) for flag, value in (("--model", args.model), ("--data-dir", args.data_dir),
+                                                         ("--method", args.method), ("--regrade", args.regrade))
+             if value is not None and os.path.lexists(value)}
+    found = runfolder.read_where_written(args.out, reads, WRITES)
+    if found:
+        fail(f"{found[0]} {found[1]} is {found[2]}, which this job writes in --out {args.out}: nothing a job reads is "
+             f"replaced by it; give --out another folder")
+    out, saved = Path(args.out), None
+    if dist.rank() != 0:
+        return None
+    for name in ("settings.json",) if args.regrade else ("settings.json", "samples.jsonl"):
+        if (out / name).is_symlink():  # what it points to would be read as this evaluation's
+            fail(str(runfolder.Linked(str(out / name))))
+    if out.is_dir() and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
+        fail(f"--out {out} holds a model (config.json, *.safetensors): give the evaluation a folder of its own")
     path = out / "settings.json"
     if os.path.lexists(path) and not path.is_file():  # a FIFO would block the read
         fail(f"{path} is not a regular file (a FIFO, socket or device), and the evaluation reads its settings from "
              f"it: remove it")
-    if not path.is_file():
-        return None
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError):
-        saved = None
-    if not isinstance(saved, dict):
-        fail(f"{path} is damaged (not a JSON object of settings); choose another --out, or pass --overwrite")
-    return saved
-
-
-def held_files(out: Path) -> list[Path]:
-    """What --out holds besides the lock of the job in it."""
-    return [p for p in out.iterdir() if p.name != runfolder.LOCK] if out.is_dir() else []
-
-
-def refuse_unsafe_out(out: Path, read=("settings.json", "samples.jsonl")):
-    """--out holds no model, and no link where an evaluation reads its own files back (what a link points to would
-    be read as this evaluation's settings or samples; the files only written are replaced, never followed)."""
-    for name in read:
-        if dist.rank() == 0 and (out / name).is_symlink():
-            fail(str(runfolder.Linked(str(out / name))))
-    if dist.rank() == 0 and out.is_dir() and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
-        fail(f"--out {out} holds a model (config.json, *.safetensors): give the evaluation a folder of its own")
-
-
-def refuse_foreign(args: EvalArgs):
-    """--out is no model's or checkpoint's folder (even with --overwrite), and, unless --overwrite, holds nothing
-    but an evaluation: refused before anything, the lock included, is written there."""
-    out = Path(args.out)
-    refuse_unsafe_out(out)
-    if dist.rank() == 0 and held_files(out) and not args.overwrite and saved_settings(out) is None:
-        fail(f"--out {out} already holds files that are not an evaluation's; choose another --out or pass --overwrite")
-
-
-WRITES = ("samples.jsonl", "summary.json", "results.md", "settings.json", runfolder.LOCK)  # --out's files
-
-
-def check_kept(args: EvalArgs):
-    """Nothing the job reads (the model folder, the benchmark folder, the method file, the samples it regrades) is
-    a file it writes or replaces in --out: one line names it and the way out, before anything is written."""
-    from machinery import paths
-
-    reads = {flag: (value, [value]) for flag, value in (("--model", args.model), ("--data-dir", args.data_dir),
-                                                         ("--method", args.method), ("--regrade", args.regrade))
-             if value is not None and os.path.lexists(value)}
-    found = paths.read_where_written(args.out, reads, WRITES)
-    if found:
-        flag, value, entry = found
-        fail(f"{flag} {value} is {entry}, which this job writes in --out {args.out}: nothing a job reads is replaced "
-             f"by it; give --out another folder")
-
-
-def prepare(args: EvalArgs, sizes: dict) -> list[dict]:
-    """--out locked and checked (continued, refused, or replaced); returns the samples of the runs already finished
-    there (a run of a benchmark is finished when all its sizes[(label, benchmark)] samples were written)."""
-    out, settings = Path(args.out), settings_of(args)
-    saved_path, samples_path = out / "settings.json", out / "samples.jsonl"
-    refuse_foreign(args)  # before the lock, which would leave its file in a model's folder
-    runfolder.lock(args.out, PROG)  # first: a folder another eval writes into is neither read nor written
-    kept = []
-    if dist.rank() == 0 and out.is_dir():  # nothing read or rewritten there may block
+    if path.is_file():
         try:
-            safeload.check_special_files(str(out), recursive=False)
-        except ValueError as error:
-            fail(f"--out {out}: {error}")
-    if dist.rank() == 0 and held_files(out) and not args.overwrite:
-        saved = saved_settings(out)
-        if saved is None:
-            fail(f"--out {out} already holds files that are not an evaluation's; choose another --out or pass --overwrite")
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, OSError, RecursionError):
+            saved = None
+        if not isinstance(saved, dict):
+            fail(f"{path} is damaged (not a JSON object of settings); choose another --out, or pass --overwrite")
+    held = [p for p in out.iterdir() if p.name != runfolder.LOCK] if out.is_dir() else []
+    if held and not args.overwrite and args.regrade and "regrade" not in (saved or {}):
+        what = f"an evaluation of {saved['model']}" if "model" in (saved or {}) else "files that are not a regrade's"
+        fail(f"--out {out} holds {what}, which the regrade's samples.jsonl would replace: give --out a new folder "
+             f"(e.g. --out {out}-regraded), or pass --overwrite")
+    if held and not args.overwrite and not args.regrade and saved is None:
+        fail(f"--out {out} already holds files that are not an evaluation's; choose another --out or pass --overwrite")
+    if saved is not None and not args.overwrite and not args.regrade:
         if "regrade" in saved:
             fail(f"--out {out} holds a regrade of {saved['regrade']}, not an evaluation of a model; choose another "
                  f"--out or pass --overwrite")
-        changed = sorted(k for k in settings if saved.get(k) != settings[k])
+        changed = [f"--{k.replace('_', '-')}" for k, v in sorted(settings_of(args).items()) if saved.get(k) != v]
         if changed:
-            fail(f"--out {out} holds an evaluation with other settings ({', '.join(f'--{k.replace(chr(95), chr(45))}' for k in changed)}); "
-                 f"rerun with the same flags to continue it, choose another --out, or pass --overwrite")
-        kept = evaluation.read_samples(str(samples_path), PROG, partial=True) if samples_path.exists() else []
+            fail(f"--out {out} holds an evaluation with other settings ({', '.join(changed)}); rerun with the same flags "
+                 f"to continue it, choose another --out, or pass --overwrite")
+    return None if args.overwrite else saved
+
+
+def prepare(args: EvalArgs, sizes: dict, saved: dict | None) -> list[dict]:
+    """--out (checked: check_out's saved settings) locked and made ready, continued or replaced (--overwrite); returns
+    the samples of the runs already finished there (all sizes[(label, benchmark)] of a run's samples written)."""
+    out, settings, kept = Path(args.out), settings_of(args), []
+    runfolder.lock(args.out, PROG)  # first: a folder another eval writes into is neither read nor written
+    odd = data.special_files(str(out), recursive=False) if dist.rank() == 0 else []
+    if odd:  # nothing read or rewritten there may block
+        fail(f"--out {out}: {odd[0]} is not a regular file (a FIFO, socket, device or link that cannot be read safely); "
+             f"remove it")
+    if dist.rank() == 0 and saved is not None:
+        kept = read_samples(str(out / "samples.jsonl"), PROG, partial=True) if (out / "samples.jsonl").exists() else []
         foreign = [s for s in kept if s.get("settings") != stamp_of(settings)]
         if foreign:
-            fail(f"{samples_path} holds {len(foreign)} records these settings did not make (the first: {foreign[0]['run']} "
-                 f"{foreign[0]['benchmark']} id {foreign[0]['id']}), which a continued evaluation would count as this "
-                 f"model's: choose another --out, or pass --overwrite to start afresh")
-        counts = {}
-        for s in kept:
-            counts[s["run"], s["benchmark"], s["repeat"]] = counts.get((s["run"], s["benchmark"], s["repeat"]), 0) + 1
-        kept = [s for s in kept if counts[s["run"], s["benchmark"], s["repeat"]] == sizes.get((s["run"], s["benchmark"]))]
+            fail(f"{out / 'samples.jsonl'} holds {len(foreign)} records these settings did not make (the first: "
+                 f"{foreign[0]['run']} {foreign[0]['benchmark']} id {foreign[0]['id']}), which a continued evaluation "
+                 f"would count as this model's: choose another --out, or pass --overwrite to start afresh")
+        units = [(s["run"], s["benchmark"], s["repeat"]) for s in kept]
+        kept = [s for s, unit in zip(kept, units) if units.count(unit) == sizes.get(unit[:2])]
     if dist.rank() == 0:
         for name in ("samples.jsonl", "summary.json", "results.md"):
-            if args.overwrite or not kept:
+            if not kept:
                 runfolder.remove(str(out / name), missing_ok=True)
-        runfolder.replace_file(str(saved_path), [json.dumps(settings, indent=1)])
-        evaluation.write_jsonl(str(samples_path), kept)  # aside, then renamed over it: a signal loses no record
+        runfolder.replace_file(str(out / "settings.json"), [json.dumps(settings, indent=1)])
+        report.write_jsonl(str(out / "samples.jsonl"), kept)  # aside, then renamed over it: a signal loses no record
     return dist.broadcast(kept)
 
 
-def prepare_regrade(args: EvalArgs):
-    """--out checked, then locked: a regrade writes samples.jsonl, summary.json and results.md there, so it never
-    writes into an evaluation of a model (which a later run with the same --out would continue, counting these
-    records as its own), or into anything else but an earlier regrade; --overwrite replaces what is there."""
-    out = Path(args.out)
-    refuse_unsafe_out(out, read=("settings.json",))  # a regrade writes its samples.jsonl, never reads it
-    if dist.rank() == 0 and held_files(out) and not args.overwrite:
-        saved = saved_settings(out) or {}
-        if "regrade" not in saved:
-            what = f"an evaluation of {saved['model']}" if "model" in saved else "files that are not a regrade's"
-            fail(f"--out {out} holds {what}, which the regrade's samples.jsonl would replace: give --out a new folder "
-                 f"(e.g. --out {out}-regraded), or pass --overwrite")
-    runfolder.lock(args.out, PROG)
-    if dist.rank() == 0:
-        runfolder.replace_file(str(out / "settings.json"), [json.dumps({"regrade": args.regrade, "grader": args.grader})])
-
-
 def start_sampler(args: EvalArgs, prompts: list[list[int]]):
+    """The engine (vLLM) or the model (transformers), its weights checked against its config as they load."""
     import torch
 
     precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
     if args.sampler == "vllm":
-        from machinery import engines
-
-        settings = flags.settings(
+        settings = console.settings(
             load_method(args.method).Args, model=args.model, seed=args.seed, vllm_tp=args.vllm_tp, precision=precision,
             max_prompt_tokens=max(map(len, prompts)), max_response_tokens=args.max_tokens, vllm_sleep=False,
             vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-        return engines.start(settings)
-    import transformers
+        return engines.start(settings, prog=PROG)
     from transformers import AutoModelForCausalLM
 
-    transformers.utils.logging.disable_progress_bar()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **models.NO_CODE)
+    model = models.pretrained(AutoModelForCausalLM, args.model, models.compute_dtype(precision), prog=PROG)
     return model.to(dist.device()).eval()
 
 
-def evaluate(args: EvalArgs) -> list[dict]:
+def evaluate(args: EvalArgs, saved: dict | None) -> list[dict]:
     """Every run of the protocol on every benchmark, one (run, benchmark, repetition) at a time, each appended to
     samples.jsonl as it finishes; those already there (an interrupted evaluation with the same settings) are kept."""
-    names = evaluation.resolve(args.benchmarks, PROG)
-    problems = {name: evaluation.load_benchmark(name, args.data_dir, args.limit, args.hub, PROG) for name in names}
+    names = report.resolve(args.benchmarks, PROG)
+    problems = {name: report.read_benchmark(name, args.data_dir, args.limit, args.hub, PROG)[0] for name in names}
     # every prompt is built before --out is touched: a chat template that fails stops with one line, leaving nothing
-    tokenizer = runner.load_tokenizer(args.model, PROG)
+    tokenizer = data.load_tokenizer(args.model, PROG)
     context, source = models.context_length(args.model, tokenizer) or (None, None)
-    if context is not None:  # a problem longer than the context can hold is skipped unrendered (data.char_bound)
-        bound = data.char_bound(tokenizer, context)
-        problems = {name: evaluation.fitting(rows, bound, PROG) for name, rows in problems.items()}
+    if context is not None:  # a problem longer than the context can hold is skipped unrendered (runner.char_bound)
+        bound = runner.char_bound(tokenizer, context)
+        problems = {name: report.fitting(rows, bound, PROG) for name, rows in problems.items()}
     runs = protocol_runs(args, names)
     sizes = {(r["label"], name): len(problems[name]) * r["n"] for r in runs for name in names}
     if not tokenizer.chat_template:
@@ -381,21 +300,17 @@ def evaluate(args: EvalArgs) -> list[dict]:
         fail(f"{args.model} takes at most {context} tokens ({source}), and the longest prompt "
              f"({longest} tokens) plus --max-tokens {args.max_tokens} is {longest + args.max_tokens}; "
              + (f"lower --max-tokens to {context - longest}" if longest < context else "the prompt alone is too long"))
+    sampler = start_sampler(args, [p for ps in prompts.values() for p in ps])  # before --out: a bad model, one line
     samples = None
     try:  # a signal from here on: what --out keeps, and how to continue
-        samples = prepare(args, sizes)
+        samples = prepare(args, sizes, saved)
         done = {(s["run"], s["benchmark"], s["repeat"]) for s in samples}
         todo = [(r, name, repeat) for r in runs for name in names for repeat in range(r["repeats"][name])
                 if (r["label"], name, repeat) not in done]
         if done:
             console.say(f"continuing {args.out}: {len(done)} of {len(done) + len(todo)} runs of benchmarks already there", PROG)
-        if not todo:
-            return samples
-        sampler = start_sampler(args, [p for ps in prompts.values() for p in ps])
         generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, stamp_of(settings_of(args)))
         if args.sampler == "vllm":
-            from machinery import engines
-
             engines.stop(sampler)  # before the process group goes (dist.finish): vLLM's shutdown uses it
     except BaseException as error:  # a signal, or what the code it landed in made of it
         if not console.from_signal(error):
@@ -410,14 +325,14 @@ def evaluate(args: EvalArgs) -> list[dict]:
 def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, stamp: str):
     for r, name, repeat in todo:
         start = time.perf_counter()
-        generated = evaluation.generate(sampler, tokenizer, prompts[name], r["n"], r["temperature"], r["top_p"],
+        generated = engines.generate(sampler, tokenizer, prompts[name], r["n"], r["temperature"], r["top_p"],
                                         args.max_tokens, args.seed + repeat, args.vllm_tp, args.batch_size,
                                         f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}", PROG)
         if dist.rank() == 0:
             unit = [{**record, "settings": stamp} for record in
-                    evaluation.records(problems[name], generated, r["label"], repeat, args.seed + repeat)]
-            evaluation.grade(load_method(args.method).METHOD, unit, args.workers, args.grade_timeout)
-            evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), unit, mode="a")
+                    report.records(problems[name], generated, r["label"], repeat, args.seed + repeat)]
+            report.grade(load_method(args.method).METHOD, unit, args.workers, args.grade_timeout, deepscaler.grade_any)
+            report.write_jsonl(os.path.join(args.out, "samples.jsonl"), unit, mode="a")
             samples += unit
             console.say(f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}: {len(unit)} samples in "
                         f"{time.perf_counter() - start:.0f} s", PROG)
@@ -428,32 +343,190 @@ def main(args: EvalArgs) -> dict:
     console.catch_interrupts()
     dist.init(prog=PROG)
     if args.curves:
-        from machinery import logs
-
-        return logs.draw(args.curves, args.out)
-    check_kept(args)
+        return draw(args.curves, args.out)
     if args.regrade:
-        flags.check_ranges(args, PROG)
+        console.check_ranges(args, PROG)
         load_method(args.method)
-        samples = evaluation.read_samples(args.regrade, PROG)
-        prepare_regrade(args)
+        samples = read_samples(args.regrade, PROG)
+        check_out(args)
+        runfolder.lock(args.out, PROG)
         if dist.rank() == 0:
+            runfolder.replace_file(os.path.join(args.out, "settings.json"), [json.dumps({"regrade": args.regrade,
+                                                                                        "grader": args.grader})])
             console.say(f"grading {len(samples)} responses with {args.workers} worker processes", PROG)
-            evaluation.grade(load_method(args.method).METHOD, samples, args.workers, args.grade_timeout)
-            evaluation.write_jsonl(os.path.join(args.out, "samples.jsonl"), samples)
+            report.grade(load_method(args.method).METHOD, samples, args.workers, args.grade_timeout, deepscaler.grade_any)
+            report.write_jsonl(os.path.join(args.out, "samples.jsonl"), samples)
     else:
         check(args)
-        samples = evaluate(args)
+        samples = evaluate(args, check_out(args))
     words = load_method(args.method).METHOD.reflection_words
-    summary = evaluation.summarize(samples, words, args.grader) if dist.rank() == 0 else {}
+    summary = report.summarize(samples, words, args.grader) if dist.rank() == 0 else {}
     if dist.rank() == 0:
         runfolder.replace_file(os.path.join(args.out, "summary.json"), [json.dumps(summary, indent=1)])
-        table = evaluation.markdown(summary)
+        table = markdown(summary)
         runfolder.replace_file(os.path.join(args.out, "results.md"), [table])
         print(table)
         print(f"{len(samples)} samples in {time.perf_counter() - start:.1f} s (Pass@1 by {args.grader}); written to "
               f"{args.out}", flush=True)
     return dist.broadcast(summary)
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples read back, the table
+# ----------------------------------------------------------------------------------------------
+def read_samples(path: str, prog: str = "eval", partial: bool = False) -> list[dict]:
+    """The sample records of a samples.jsonl, each checked: benchmark, id, response and answers (a list of strings or
+    numbers, or one); run and benchmark strings, repeat, sample and response_tokens whole numbers, where given.
+    partial: an unreadable last line (a write cut short) is dropped instead of refused."""
+    if not os.path.isfile(path):
+        console.fail(f"samples file {path!r} does not exist", prog)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(number, line) for number, line in enumerate(f.read().split("\n"), 1) if line.strip()]
+    samples = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+            missing = [k for k in ("benchmark", "id", "response", "answers") if k not in record]
+            if missing or not isinstance(record["response"], str):
+                raise ValueError(f"no {', '.join(missing)}" if missing else "'response' is not a string")
+            for key, kind in (("benchmark", str), ("run", str), ("repeat", int), ("sample", int),
+                              ("response_tokens", int)):  # the summary groups and averages by them
+                if key in record and (not isinstance(record[key], kind) or isinstance(record[key], bool)
+                                      or kind is int and record[key] < 0):
+                    raise ValueError(f"'{key}' is {json.dumps(record[key])[:40]}, not "
+                                     + ("a string" if kind is str else "a whole number >= 0"))
+            answers = record["answers"] if isinstance(record["answers"], list) else [record["answers"]]
+            record["answers"] = [data.answer_text(a, "an entry of 'answers'") for a in answers] or \
+                [data.answer_text(None, "'answers'")]
+        except (ValueError, RecursionError) as error:  # bad JSON, an integer past Python's digits, deep nesting
+            if partial and number == lines[-1][0]:
+                console.say(f"{path}: dropped an unreadable last line (a write cut short)", prog)
+                continue
+            console.fail(f"{path}: line {number} is not a sample record ({error})", prog)
+        samples.append({**record, **{k: v for k, v in (("run", "greedy"), ("repeat", 0), ("sample", 0),
+                                                       ("response_tokens", 0)) if k not in record}})  # keys kept in order
+    if not samples and not partial:
+        console.fail(f"samples file {path!r} holds no samples", prog)
+    return samples
+
+
+def markdown(summary: dict) -> str:
+    """One table per run label; every rate is a percentage, as its header says."""
+    lines = []
+    for label, table in summary.items():
+        ks = [k for k in table["average"] if k.startswith("pass@")]
+        head = ["benchmark", "problems", "runs", *[f"{k} %" for k in ks], "sd across runs", "no boxed %",
+                "mean tokens", "self-reflection %", "grader failures", "graders disagree"]
+        lines += [f"### {label}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name, e in table.items():
+            cells = [name, str(e.get("problems", "")), str(e.get("runs", "")), *[f"{e[k]:.2f}" for k in ks],
+                     f"{e['pass@1_std']:.2f}" if "pass@1_std" in e else "", f"{e['no_boxed']:.2f}",
+                     f"{e['mean_tokens']:.0f}", f"{e['self_reflection']:.2f}", str(e.get("grader_failures", "")),
+                     str(e.get("disagree", ""))]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# The curves of eval.py --curves, drawn from runs' metrics.jsonl
+# ----------------------------------------------------------------------------------------------
+def read_runs(folders) -> dict:
+    """{run name: its metrics records}; a folder without a readable metrics.jsonl, and a line that is no record
+    with a whole-number step (a JSON value that is not an object, bytes that are not UTF-8), are named in one line.
+    A last line without its newline that cannot be read is a write cut short, and dropped."""
+    runs = {}
+    for folder in folders:
+        path = os.path.join(folder, "metrics.jsonl")
+        if not os.path.isfile(path):
+            fail(f"--curves {folder}: no metrics.jsonl there (pass remix.py run folders)")
+        records = []
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+                if not isinstance(record, dict):
+                    raise ValueError(f"a JSON {type(record).__name__}, not an object")
+                if not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
+                    raise ValueError("no whole-number 'step'")
+            except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+                if number == len(lines):  # no newline after it: a write cut short
+                    continue
+                console.fail(f"--curves {folder}: {path}, line {number} is not a metrics record ({str(error)[:80]}); pass "
+                     f"remix.py run folders", PROG)
+            records.append(record)
+        name = os.path.basename(os.path.normpath(folder))
+        runs[name if name not in runs else folder] = records
+    return runs
+
+
+def series(records: list[dict], x: str, y: str) -> tuple[list, list]:
+    """The (x, y) points of the records that hold both keys as numbers, in step order."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    points = [(r[x], r[y]) for r in sorted(records, key=lambda r: r["step"]) if number(r.get(x)) and number(r.get(y))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def draw(folders, out: str) -> dict:
+    """PNG files in out: pass1_vs_rollouts.png, pass1_vs_tokens.png (average and each benchmark), and
+    length_and_reflection_vs_step.png. Returns {file: {run: number of points}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if os.path.lexists(out) and not os.path.isdir(out):
+        fail(f"--out {out} is a file, not a folder: choose a new --out for the PNG files")
+    runs = read_runs(folders)
+    benchmarks = sorted({k.split("/")[1] for records in runs.values() for r in records for k in r
+                         if k.startswith("eval/") and k.endswith("/pass@1") and k.split("/")[1] != "average"})
+    if not benchmarks:
+        fail("--curves: the runs logged no evaluation (eval/*/pass@1); train with --eval-every K")
+    runfolder.writes_into(out)
+    runfolder.makedirs(out)
+    drawn = {}
+
+    def figure(name: str, panels: list[tuple]):  # panels: (title, x key, x label, y key)
+        fig, axes = plt.subplots(1, len(panels), figsize=(max(4 * len(panels), 10), 3.6), squeeze=False)
+        for ax, (title, x, x_label, y) in zip(axes[0], panels):
+            for run_name, records in runs.items():
+                xs, ys = series(records, x, y)
+                ax.plot(xs, ys, marker=".", label=run_name)
+                drawn.setdefault(name, {})[run_name] = drawn.get(name, {}).get(run_name, 0) + len(xs)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel(x_label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        save(fig, os.path.join(out, name))
+
+    for name, x, x_label in (("pass1_vs_rollouts.png", "rollouts/total", "rollouts"),
+                             ("pass1_vs_tokens.png", "rollouts/generated_tokens", "generated tokens")):
+        figure(name, [(f"{b}: greedy Pass@1 (%)" if b != "average" else "average of the benchmarks (%)", x, x_label,
+                       f"eval/{b}/pass@1") for b in ["average", *benchmarks]])
+    figure("length_and_reflection_vs_step.png", [
+        ("mean response length (tokens), training samples", "step", "step", "response/length_mean"),
+        ("self-reflection rate, training samples", "step", "step", "response/self_reflection")])
+    console.say(f"drew {', '.join(drawn)} in {out}", PROG)
+    return drawn
+
+
+def save(fig, path: str):
+    """One figure as a PNG file, written anew and renamed into place (runfolder.new_file): a link or a FIFO there is
+    replaced, never written through; a link on the way is refused in one line."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with runfolder.new_file(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+    except runfolder.Unwritable as error:
+        fail(str(error))
+    plt.close(fig)
 
 
 if __name__ == "__main__":

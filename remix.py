@@ -34,20 +34,19 @@ from typing import Annotated, Literal
 
 import torch
 
-from machinery import dist, engines, flags, grader, logs, models, runner
+from machinery import console, dist, engines, grader, models, report, runner
 
 
 @dataclass
 class Args:
-    """the method: what a reader of the paper sets (the run's settings: flags.RunArgs)"""
+    """the method: what a reader of the paper sets (the run's settings: console.RunArgs)"""
     algo: Literal["ppo", "grpo"] = "ppo"
     """PPO (critic, V-trace GAE) or GRPO (group-normalised outcome advantage, no critic)"""
     steps: int = 350
     """steps (rollout batches), in [1, 1000000]; with --resume, a larger value extends the run"""
-    prompts_per_step: Annotated[
-        int | None, flags.hint("(default: 256 for PPO, 128 for GRPO)")] = None
+    prompts_per_step: Annotated[int | None, console.hint("(default: 256 PPO, 128 GRPO)")] = None
     """B, in [1, 65536]: prompts per step on all processes, fresh + historical (G responses each)"""
-    group_size: Annotated[int | None, flags.hint("(default: 1 for PPO, 8 for GRPO)")] = None
+    group_size: Annotated[int | None, console.hint("(default: 1 for PPO, 8 for GRPO)")] = None
     """G, responses per prompt, in [1, 1024] (>= 2 for GRPO)"""
     off_policy_p: float = 0.4
     """p, in [0, 1): the share of a batch's prompts drawn from the replay deque in the mix stage"""
@@ -110,20 +109,18 @@ class Args:
 
 
 def finalize_args(args: Args) -> Args:
-    """Fill the algorithm- and device-dependent defaults; flags.check_args rejects bad values."""
+    """Fill the algorithm-dependent defaults; console.check_args rejects bad values."""
     if args.on_policy:  # no ReMix: no replay, no extra passes, no switch, KL to the base only
         args.off_policy_p, args.utd, args.reincarnation, args.kl_convex = 0.0, 1, False, False
     if args.prompts_per_step is None:
         args.prompts_per_step = 256 if args.algo == "ppo" else 128
     if args.group_size is None:
         args.group_size = 1 if args.algo == "ppo" else 8
-    if args.precision is None:
-        args.precision = "bf16" if torch.cuda.is_available() else "fp32"
     return args
 
 
 # ---- The prompt and the reward: answers verified with math-verify (spec Sec. 7) -------------
-# METHOD hands them to machinery
+# METHOD (after the step's table) hands them to machinery
 SELF_REFLECTION_WORDS = ("verify", "re-examine", "double-check", "why", "root cause", "validate",
                          "abduct", "question", "check", "but", "wait", "confirm", "scrutinize",
                          "analyze", "investigate", "probe")
@@ -131,8 +128,7 @@ SELF_REFLECTION_WORDS = ("verify", "re-examine", "double-check", "why", "root ca
 
 def build_prompt(tokenizer, problem: str, suffix: str = Args.prompt_suffix,
                  system: str | None = None) -> list[int]:
-    """One user turn through the chat template, generation prompt added; plain text without one
-    (base models)."""
+    """One user turn through the chat template, generation prompt added; plain text without one."""
     if not tokenizer.chat_template:
         return tokenizer((system + "\n\n" if system else "") + problem + suffix).input_ids
     turns = [{"role": "system", "content": system}] if system else []
@@ -150,8 +146,7 @@ def final_answer(response: str) -> str | None:
 
 @functools.lru_cache(maxsize=200_000)
 def parse_boxed(expression: str):
-    """math-verify's parse of one answer, first rewritten in notation it reads (1.39e9, x',
-    \\dfrac, ...); raises on failure."""
+    """math-verify's parse of one answer, rewritten in notation it reads; raises on failure."""
     from math_verify import parse
 
     return parse("\\boxed{" + grader.rewrite(expression) + "}", raise_on_error=True)
@@ -159,8 +154,7 @@ def parse_boxed(expression: str):
 
 def grade_response(response: str, answer: str) -> tuple[float, str]:
     """The answer check, what eval.py's Pass@1 counts: (1.0 if right else 0.0, ok | no_boxed |
-    unparsable | error). Runs in a grader worker's main thread, where math-verify's alarm-based
-    timeouts work."""
+    unparsable | error), in a grader worker's main thread (math-verify's timeouts need it)."""
     from math_verify import errors, verify
 
     predicted = final_answer(response)
@@ -178,16 +172,9 @@ def grade_response(response: str, answer: str) -> tuple[float, str]:
 def training_reward(response: str, answer: str, tokens: int,
                     truncated: bool) -> tuple[dict[str, float], str]:
     """The training reward by its parts (their sum; each logged as reward/NAME) and the answer
-    check's status, from the response, its gold answer, its token count and whether it was cut at
-    --max-response-tokens. ReMix's is correctness alone; a fork may add parts (a format bonus, a
-    length penalty) and eval.py's answer check stays as it is."""
+    check's status. ReMix's is correctness alone; a fork may add parts (format, length)."""
     correct, status = grade_response(response, answer)
     return {"correct": correct}, status
-
-
-METHOD = runner.Method(finalize=finalize_args, build_prompt=build_prompt, final_answer=final_answer,
-                       warm=parse_boxed, warm_args=("1",), grade_response=grade_response,
-                       reflection_words=SELF_REFLECTION_WORDS)
 
 
 # ==============================================================================================
@@ -207,8 +194,7 @@ METHOD = runner.Method(finalize=finalize_args, build_prompt=build_prompt, final_
 # ==============================================================================================
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log pi(a_t|s_t) and the entropy of pi(.|s_t), [n, 2], from the logits [n, V] and the tokens
-    [n] sampled there: a log-softmax at the sampling temperature (vLLM samples from
-    softmax(logits / T)), gathered."""
+    [n] sampled there: a log-softmax at the sampling temperature (vLLM samples from it)."""
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [n, V]
     entropy = -(log_probs.exp() * log_probs).sum(-1)  # [n]
     return torch.stack([log_probs.gather(-1, tokens[:, None])[:, 0], entropy], dim=-1)  # [n, 2]
@@ -216,9 +202,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def aggregation(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """How every loss term is averaged (Decision 3), in this one place: weights per token [N, L] and
-    the size they sum to. The token mean: weight 1 per token, size = tokens (no per-response length
-    term); update() divides by the whole mini-batch's size. (A sequence mean: mask / length and
-    rows; a constant normaliser: mask, rows * L.)"""
+    the size they sum to. The token mean: weight 1 per token, size = tokens; update() divides by the
+    mini-batch's size. (A sequence mean: mask / length and rows; a constant: mask, rows * L.)"""
     weights = mask.float()  # [N, L]
     return weights, weights.sum()
 
@@ -230,8 +215,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def ratio(log_ratio: torch.Tensor) -> torch.Tensor:
-    """e^log_ratio, clamped to +-20 first as verl does (Decision 15): finite where pi/mu
-    overflows float32 (e^89)."""
+    """e^log_ratio, clamped to +-20 first as verl does (Decision 15): e^89 overflows float32."""
     return torch.exp(log_ratio.clamp(-20.0, 20.0))
 
 
@@ -242,8 +226,7 @@ def kl_convex_lambda(t: int, start: int = 50, every: int = 10) -> float:
 
 
 def k3_kl(logp: torch.Tensor, anchor_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi_theta || anchor) from sampled tokens:
-    e^(q-p) - (q-p) - 1 >= 0."""
+    """Per-token k3 estimate of KL(pi_theta || anchor) from sampled tokens: e^(q-p) - (q-p) - 1."""
     log_ratio = (anchor_logp - logp).clamp(-20.0, 20.0)  # [N, L], clamped as ratio() is
     return torch.exp(log_ratio) - log_ratio - 1.0  # [N, L]
 
@@ -294,8 +277,7 @@ def vtrace_advantages(rewards, values, trace_c, mask, gamma: float = 1.0, lam: f
 
 def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """GRPO outcome advantage A_hat = (R - mean_group R) / (std_group R + 1e-6), unbiased std:
-    scores (1, 0, 0, 1), groups (0, 0, 1, 1) -> (0.7071, -0.7071, -0.7071, 0.7071). A group of one,
-    or of equal scores, gets 0."""
+    scores (1, 0, 0, 1), groups (0, 0, 1, 1) -> (0.7071, -0.7071, -0.7071, 0.7071); alone: 0."""
     advantages = torch.zeros_like(scores)  # [N]
     for gid in torch.unique(group_ids):
         members = group_ids == gid  # [N]
@@ -318,8 +300,7 @@ def grpo_token_advantages(a_hat, trace_c, mask, product: bool = False) -> torch.
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, sum_over_ranks=lambda t: t) -> torch.Tensor:
-    """Zero mean, unit variance over the masked tokens of the whole batch (PPO advantages); with
-    several processes the moments are those of the global batch."""
+    """Zero mean, unit variance over the masked tokens of the whole batch, all ranks (PPO)."""
     mask = mask.bool()
     total = sum_over_ranks(torch.stack([torch.where(mask, x, 0.0).sum(), mask.sum().to(x.dtype)]))
     mean = total[0] / total[1].clamp(min=1)
@@ -332,10 +313,8 @@ def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float =
         L = - mean[ min( r * A,  clip(r, c - eps, c + eps) * A ) ],   r = pi_theta / mu,
                                                                       c = pi_k / mu
     The ratio is taken against each sample's behaviour policy mu and the clip interval is centred at
-    c, not 1. On fresh samples mu = pi_k, c = 1 and this is PPO-clip. clipfrac counts the tokens
-    where the clip changes the objective (A > 0 above c + eps, A < 0 below c - eps), as verl and TRL
-    do. weights [N, L] (not in the paper; --sampler-is-cap) scale each token's term:
-    sampler_is_weight."""
+    c, not 1: on fresh samples c = 1 and this is PPO-clip. clipfrac counts the tokens where the clip
+    changes the objective, as verl and TRL do. weights [N, L] (--sampler-is-cap) scale each term."""
     r = ratio(logp - behaviour_logp)  # [N, L]
     centre = ratio(prox_logp - behaviour_logp).detach()  # [N, L]  c, a constant of the step
     unclipped = r * advantages  # [N, L]
@@ -352,14 +331,12 @@ def mix_ppg_loss(logp, behaviour_logp, prox_logp, advantages, mask, eps: float =
 
 def sampler_is_weight(trainer_logp, sampler_logp, cap: float) -> torch.Tensor:
     """Not in the paper (Decision 18, TRL's vLLM correction): min(pi_trainer / pi_sampler, cap) per
-    token, for the sampler's kernels' gap from the trainer. trainer -1.0, sampler -1.5:
-    e^0.5 = 1.65; trainer -0.2, cap 2: 2."""
+    token: trainer -1.0, sampler -1.5 -> e^0.5 = 1.65; trainer -0.2, cap 2 -> 2."""
     return ratio(trainer_logp - sampler_logp).clamp(max=cap)  # [L]
 
 
 def clipped_value_loss(values, old_values, value_targets, mask, clip: float = 0.5) -> torch.Tensor:
-    """PPO's clipped value loss:
-        0.5 * mean max((V - target)^2, (clip(V, V_old +- clip) - target)^2)."""
+    """PPO's clipped value loss, 0.5 mean max((V - target)^2, (clip(V, V_old +- c) - target)^2)."""
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)  # [N, L]
     squared = torch.maximum((values - value_targets) ** 2, (clipped - value_targets) ** 2)  # [N, L]
     return 0.5 * masked_mean(squared, mask)
@@ -369,19 +346,15 @@ def objective(mb: dict, lam: float, args: Args) -> tuple[dict, dict]:
     """Eq. 6 whole, on one micro-batch: the losses to backpropagate, and the terms to log.
         policy: L_mix (Eq. 4) - ent_coef * H(pi_theta) + beta * L_klc (Eq. 5, lambda(t))
         critic: PPO's clipped value loss against the V-trace targets (PPO only)
-    each a token mean over the micro-batch (after T, on fresh samples only: PPO's objective).
-    mb holds [n, l] tensors: logp and entropy of pi_theta (with gradients), behaviour_logp (mu),
-    prox_logp (pi_k), advantages, response_mask, ref_logp (when beta > 0), sampler_weight
-    (--sampler-is-cap), and under PPO values (V at the step's start), value_targets and new_values
-    (V being fitted, with gradients); historical [n] is True on the samples replayed from the deque.
+    each a token mean over the micro-batch. mb holds update()'s [n, l] fields (logp, entropy and
+    new_values with gradients) and historical [n], True on the samples replayed from the deque.
     A fork that adds, drops or reweighs a term edits this function."""
     logp, prox, mask = mb["logp"], mb["prox_logp"], mb["response_mask"]  # [n, l] each
-    mix_ppg, clip_stats = mix_ppg_loss(logp, mb["behaviour_logp"], prox, mb["advantages"], mask,
-                                       args.clip_eps, mb.get("sampler_weight"))
+    mix_ppg, clip = mix_ppg_loss(logp, mb["behaviour_logp"], prox, mb["advantages"], mask,
+                                 args.clip_eps, mb.get("sampler_weight"))
     entropy = masked_mean(mb["entropy"], mask)
     logged = {"losses/policy_loss": mix_ppg, "losses/entropy": entropy,
-              "losses/clipfrac": clip_stats["clipfrac"],
-              "losses/approx_kl": clip_stats["approx_kl"],
+              "losses/clipfrac": clip["clipfrac"], "losses/approx_kl": clip["approx_kl"],
               "kl/prox": masked_mean(k3_kl(logp, prox), mask)}
     kl_convex = torch.zeros((), device=logp.device)
     if args.kl_beta:  # no reference model, and no ref_logp, without the term
@@ -400,26 +373,22 @@ def objective(mb: dict, lam: float, args: Args) -> tuple[dict, dict]:
 # ======================================= end of ALGO LOGIC ====================================
 
 
-# ---- The replay deque, the two stages and reincarnation ------------------------------------------
-# and log pi(a_t|s_t) and V(s_t) of every response token
+# ---- The replay deque, the two stages, reincarnation; log pi(a_t|s_t) and V(s_t) of every token --
 def draw_history(replay: collections.deque, n_groups: int) -> list[list[dict]]:
-    """n_groups whole groups (Decision 2: group statistics never mix fresh and old responses), drawn
-    uniformly without replacement from the last N policies' batches pooled; fewer if the deque holds
-    fewer (none at step 1)."""
+    """n_groups whole groups (Decision 2: a group never mixes fresh and old responses), uniformly
+    without replacement from the last N policies' batches pooled; fewer if there are fewer."""
     stored = [group for batch in replay for group in batch]
     return random.sample(stored, min(n_groups, len(stored)))
 
 
 def stage(step: int, args: Args) -> tuple[bool, float, int]:
-    """Mix stage (p, m) through step T; after it, and in --on-policy runs, p = 0 and m = 1
-    (Eq. 6, Decision 6)."""
+    """Mix stage (p, m) through step T; after it, and in --on-policy runs, p = 0, m = 1 (Dec. 6)."""
     mixing = not args.on_policy and (not args.reincarnation or step <= args.reincarnate_step)
     return mixing, (args.off_policy_p if mixing else 0.0), (args.utd if mixing else 1)
 
 
 def reincarnate(policy, reference, replay: collections.deque):
-    """Reincarnation at T (Eq. 6): pi_ref <- pi_T, the deque emptied; optimizers, critic
-    and lambda(t) carry on."""
+    """Reincarnation at T (Eq. 6): pi_ref <- pi_T, the deque emptied; the rest carries on."""
     if reference is not None:  # none without a KL term (--kl-beta 0)
         reference.load_state_dict(policy.state_dict())
     replay.clear()
@@ -427,9 +396,7 @@ def reincarnate(policy, reference, replay: collections.deque):
 
 def policy_forward(model, batch: dict, temperature: float):
     """log pi(a_t|s_t) and the entropy of pi(.|s_t) for every response token, [N, L] each:
-    token_logprobs over the output layer's logits at the positions that predict the response tokens,
-    a chunk of tokens at a time (models.chunked_logprobs: [tokens, V] logits never exist whole), in
-    the model's dtype (--precision)."""
+    token_logprobs over the output layer, a chunk of tokens at a time (models.chunked_logprobs)."""
     start = batch["prompt_len"]
     tokens = batch["input_ids"][:, start:]  # [N, L] the response tokens
     def forward(input_ids, attention_mask, position_ids):
@@ -448,8 +415,7 @@ def policy_forward(model, batch: dict, temperature: float):
 
 
 def critic_forward(critic, batch: dict) -> torch.Tensor:
-    """V(s_t) of each response token t, read at the position that predicts t (V(s_0): the last
-    prompt token's)."""
+    """V(s_t) of each response token t, read at the position that predicts t."""
     out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                  position_ids=batch["position_ids"], use_cache=False).logits  # [N, P + L, 1]
     return out[:, batch["prompt_len"] - 1 : -1, 0].float()  # [N, L]
@@ -469,14 +435,16 @@ def critic_forward(critic, batch: dict) -> torch.Tensor:
 #   5 advantages     advantages [L], value_targets [L] (PPO)                      recomputed
 # ==============================================================================================
 RECOMPUTED = ("prox_logp", "historical", "values", "advantages", "value_targets")  # 4, 5 anew
+# the method's contract, handed to machinery (the Session, the grader's workers, eval.py)
+METHOD = runner.Method(finalize=finalize_args, build_prompt=build_prompt, final_answer=final_answer,
+                       grade_response=grade_response, warm=parse_boxed, warm_args=("1",),
+                       reflection_words=SELF_REFLECTION_WORDS, recomputed=RECOMPUTED)
 
 
 def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list[list[dict]]:
-    """1. group_size responses of pi_k to each of this rank's fresh prompts (a group). Each vLLM
-    request has its own seed, from the prompt's index in the step: a resumed run, and the ranks of
-    one engine, draw the same tokens."""
-    # this rank's prompts; its engine's
-    mine, engine, first, offset = dist.prompt_shares(prompts, args.vllm_tp)
+    """1. group_size responses of pi_k to each of this rank's fresh prompts (a group); each vLLM
+    request seeded by the prompt's index in the step, so a resumed run draws the same tokens."""
+    mine, engine, first, offset = dist.prompt_shares(prompts, args.vllm_tp)  # rank's; its engine's
     sampling = (args.temperature, args.top_p, args.max_response_tokens)
     if llm is not None:
         seeds = [engines.request_seed(args.seed, step, first + i, args.group_size)
@@ -496,8 +464,7 @@ def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list
 
 
 def score(fresh: list[dict], tokenizer, args: Args):
-    """2. training_reward of each response, graded in worker processes with a deadline
-    (past it: 0, counted)."""
+    """2. training_reward of each response, in grader workers with a deadline (past it: 0)."""
     texts = [tokenizer.decode(s["response_ids"], skip_special_tokens=True) for s in fresh]
     items = [(text, s["answer"], len(s["response_ids"]), s["truncated"])
              for text, s in zip(texts, fresh)]
@@ -514,9 +481,8 @@ def logp_of(args: Args):
 
 
 def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args):
-    """3. Store with each fresh sample mu, its log-probs recomputed by the trainer (Decision 1), and
-    pi_ref's: fixed until reincarnation empties the deque, so they stay exact as long as the sample
-    can be replayed (Decision 16)."""
+    """3. Store with each fresh sample mu, the trainer's log-probs (Decision 1), and pi_ref's: both
+    fixed until reincarnation empties the deque (Decision 16)."""
     budget = args.max_tokens_per_micro_batch
     for key, model in (("behaviour_logp", policy), ("ref_logp", reference)):
         if model is not None:  # no reference without a KL term
@@ -529,8 +495,7 @@ def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args):
 
 
 def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args: Args):
-    """4. log pi_k on the historical samples (on fresh ones pi_k = mu), each marked historical;
-    values on all."""
+    """4. log pi_k on the historical samples (on fresh ones pi_k = mu), marked so; values on all."""
     budget = args.max_tokens_per_micro_batch
     for s in fresh:
         s["prox_logp"], s["historical"] = s["behaviour_logp"], False
@@ -543,8 +508,7 @@ def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args
 
 
 def compute_advantages(batch: list[dict], args: Args) -> dict:
-    """5. Advantages, recomputed every step: V-trace GAE whitened over the global batch (PPO),
-    or A_hat (GRPO)."""
+    """5. Advantages, anew each step: V-trace GAE whitened over the global batch (PPO), or A_hat."""
     mask = models.response_mask(batch)  # [N, L]
     behaviour = models.padded(batch, "behaviour_logp", "cpu")  # [N, L]
     prox = models.padded(batch, "prox_logp", "cpu")  # [N, L]
@@ -570,13 +534,11 @@ def compute_advantages(batch: list[dict], args: Args) -> dict:
 
 
 def offpolicy_diagnostics(adv: dict, fresh: list[dict], args: Args) -> dict[str, torch.Tensor]:
-    """This rank's off-policy diagnostics (docs/metrics.md), on the historical samples and on
-    the fresh ones."""
+    """This rank's off-policy diagnostics (docs/metrics.md), on the historical and fresh samples."""
     old, mask = adv["historical"], adv["mask"]  # [N], [N, L]
     abs_adv = adv["advantages"].abs()  # [N, L]
     log_ratio = adv["log_ratio"][old][mask[old]]  # [historical tokens] log(pi_k / mu)
-    rewards = torch.tensor([s["reward"] for s in fresh])
-    rewards = rewards.view(-1, args.group_size)  # [fresh groups, G]
+    rewards = torch.tensor([s["reward"] for s in fresh]).view(-1, args.group_size)  # [groups, G]
     no_groups = torch.zeros(0, dtype=torch.bool)
     return {"log_ratio": log_ratio,
             "trace_cut": log_ratio.exp() > args.vtrace_c_bar,  # c_t < pi_k/mu
@@ -588,10 +550,9 @@ def offpolicy_diagnostics(adv: dict, fresh: list[dict], args: Args) -> dict[str,
 
 def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd: int, step: int,
            args: Args) -> dict:
-    """6. utd passes (Decision 13), each a new random order of the batch cut into mini-batches of
-    mini_batch_prompts prompts' responses, one optimizer step each on objective(): Eq. 6 and the
-    value loss. Each term is the token mean over the mini-batch, all ranks: a micro-batch's mean
-    times its token share, times the world size (FSDP averages the ranks' gradients)."""
+    """6. utd passes (Decision 13), each a new random order of the batch cut into mini-batches, one
+    optimizer step each on objective(). Each term is the token mean over the mini-batch, all ranks:
+    a micro-batch's mean times its token share, times the world size (FSDP averages ranks)."""
     nets = [net for net in (policy, critic) if net is not None]
     stats = collections.defaultdict(list)
     stored = ["behaviour_logp", "prox_logp", "advantages"]  # [L] fields objective() reads
@@ -603,8 +564,7 @@ def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd:
     responses = args.mini_batch_prompts * args.group_size  # a mini-batch's, over all ranks
     for epoch in range(utd):
         for rows in dist.mini_batches(batch, responses, args.seed, step, epoch):
-            # the mini-batch's size, all ranks
-            size = dist.all_reduce(aggregation(models.response_mask(rows))[1])
+            size = dist.all_reduce(aggregation(models.response_mask(rows))[1])  # all ranks' rows
             means = collections.defaultdict(float)  # each logged term's mean, share by share
             for micro in dist.micro_batches(rows, args.max_tokens_per_micro_batch):
                 # token rows [n, P + l], response_mask [n, l], historical [n]
@@ -619,7 +579,7 @@ def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd:
                 for loss in reversed(losses.values()):
                     (loss * share * dist.world()).backward()  # FSDP averages ranks: times the world
                 for name, term in logged.items():
-                    means[name] += float(term.detach()) * float(share)  # guard sums the ranks'
+                    means[name] += float(term.detach()) * float(share)  # finite_update sums ranks'
             norms = [dist.clip_grad_norm(net, args.max_grad_norm) for net in nets]  # each model's
             if models.finite_update(means, norms, stats, step):  # else skipped; 3 in a row: stop
                 for optim in optimizers:
@@ -633,20 +593,18 @@ def update(batch: list[dict], policy, critic, optimizers: list, lam: float, utd:
 
 # ---- The training loop -----------------------------------------------------------------------
 def train(args: Args, on_step=None) -> dict:
-    """The whole run; on_step(step, record, policy, tokenizer, batch) runs after each step
-    (the toy study's hook)."""
-    session = runner.Session(args, METHOD)  # every check, then --out locked; a resumed run's state
+    """The whole run; on_step(step, record, policy, tokenizer, batch) runs after each step."""
+    session = runner.Session(args, METHOD)  # every check, before anything is written
     args, tokenizer = session.args, session.tokenizer
     policy, reference, critic = models.load(args, session.checkpoint)  # pi_theta, pi_ref, V
     optimizers = [models.optimizer(net, lr, args.weight_decay, args.offload)  # AdamW
-                  for net, lr in ((policy, args.actor_lr), (critic, args.critic_lr))
-                  if net is not None]
-    # vLLM, in this process
-    llm = engines.start(args, session.max_model_len) if args.sampler == "vllm" else None
+                  for net, lr in ((policy, args.actor_lr), (critic, args.critic_lr)) if net]
+    llm = engines.start(args, session.max_model_len) if args.sampler == "vllm" else None  # vLLM
     replay = collections.deque(maxlen=args.window)  # the last N policies' fresh batches
-    # a resumed run's weights, deque, RNGs
-    session.restore(policy, reference, critic, optimizers, replay, llm)
-    with session:  # Ctrl-C, SIGTERM: one line naming the last checkpoint; the evaluation at step 0
+    session.start(policy, reference, critic, optimizers, replay, llm)  # --out; a resume's state
+    with session:  # Ctrl-C, SIGTERM: one line naming the last checkpoint
+        if args.eval_every and session.step == 0:  # the base policy's Pass@1
+            session.log({"step": 0, **session.evaluate(0)})
         for step in session.steps():
             mixing, p, utd = stage(step, args)
             n_fresh = round((1.0 - p) * args.prompts_per_step)  # all ranks'; the rest: the deque's
@@ -656,8 +614,7 @@ def train(args: Args, on_step=None) -> dict:
             score(fresh, tokenizer, args)
             engines.sleep(llm)  # GPU sleep mode: the engine's memory is the trainer's until push
             session.lap("gen")
-            # 3. mu and pi_ref's log-probs; 4. the whole groups of p*B historical prompts
-            # (Decision 17), pi_k, values
+            # 3. mu and pi_ref's log-probs; 4. p*B historical prompts' whole groups, pi_k, values
             behaviour_and_reference(fresh, policy, reference, args)
             n_history = dist.per_rank(args.prompts_per_step - n_fresh)  # this rank's groups
             history = [s for group in draw_history(replay, n_history) for s in group]
@@ -671,18 +628,18 @@ def train(args: Args, on_step=None) -> dict:
             lam = lam if args.kl_convex else 1.0  # --no-kl-convex: KL to the reference alone
             stats = update(batch, policy, critic, optimizers, lam, utd, step, args)
             session.lap("trainer")
-            # 7. push pi_{k+1} into the sampler; 8. reincarnation at T
-            engines.push_weights(llm, policy)  # and wake it for the evaluation and the next sample
+            engines.push_weights(llm, policy)  # 7. pi_{k+1} into the sampler; 8. reincarnation
             session.lap("weight_sync")
             if args.reincarnation and step == args.reincarnate_step:
                 reincarnate(policy, reference, replay)
-            # 9. log; evaluate every --eval-every steps; save every --save-every steps
-            record = {"step": step, "phase": "mix" if mixing else "on-policy",
-                      "kl_convex/lambda": lam, "train/utd": utd, "replay/deque_size": len(replay),
-                      **logs.step_metrics(step, fresh, history, diagnostics, stats)}
-            # on_step(step, record, policy, tokenizer, batch); the recomputed fields dropped; saved
-            session.end_step(record, fresh, history, RECOMPUTED, on_step=on_step,
-                             reincarnated=args.reincarnation and step >= args.reincarnate_step)
+            record = {"step": step, "phase": "mix" if mixing else "on-policy", "train/utd": utd,
+                      "kl_convex/lambda": lam, "replay/deque_size": len(replay),
+                      **report.step_metrics(step, fresh, history, diagnostics, stats)}
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                record.update(session.evaluate(step))  # greedy Pass@1 on the benchmarks
+            session.log(record, fresh, history, on_step)  # metrics.jsonl, TensorBoard, on_step
+            if step == args.steps or args.save_every and step % args.save_every == 0:
+                session.save(step, args.reincarnation and step >= args.reincarnate_step)
     return dict(policy=policy, reference=reference, critic=critic, replay=replay, llm=llm,
                 tokenizer=tokenizer)
 

@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
-from machinery import dist, engines, evaluation, flags, grader, logs, models  # noqa: E402
+from machinery import console, dist, engines, grader, models, report  # noqa: E402
 from tests.common import (DATA, ROOT, TRAIN, full_state, plain_copy, read_metrics, tiny_args,  # noqa: E402, F401
                           wait_into_step_3)
 from tests.tiny_model import build_tiny_model  # noqa: E402
@@ -61,7 +61,7 @@ from tests.tiny_model import build_tiny_model  # noqa: E402
 ])
 def test_math_reward(response, answer, expected):
     """The answer check as eval.py and the evaluation during training run it: in a grader worker, 4 s deadline."""
-    assert evaluation.math_reward(remix.METHOD, response, answer) == expected
+    assert report.math_reward(remix.METHOD, response, answer) == expected
 
 
 def test_unbalanced_boxes_empty_answers_and_grader_errors_score_zero(monkeypatch):
@@ -90,7 +90,7 @@ def test_a_response_cut_at_the_length_limit_is_graded_like_any_other_and_is_term
     texts = ["<think>\nSo x = 4, that is \\boxed{4}. But wait, let me check", "<think>\nSo x is either 4 or"]
     fresh = [{"response_ids": tokenizer(t, add_special_tokens=False).input_ids, "answer": "4", "truncated": True}
              for t in texts]
-    remix.score(fresh, tokenizer, flags.settings(remix.Args, grader_workers=1))
+    remix.score(fresh, tokenizer, console.settings(remix.Args, grader_workers=1))
     assert [(s["reward"], s["status"]) for s in fresh] == [(1.0, "ok"), (0.0, "no_boxed")]
     for s, values in zip(fresh, ([0.2, 0.5, 0.9], [0.1, 0.3, 0.4])):
         s.update(response_ids=s["response_ids"][:3], behaviour_logp=torch.full((3,), -1.0),
@@ -719,7 +719,7 @@ def test_sampler_mismatch_sums_by_hand():
               "sampler_weight": torch.tensor([2.0])},
              {"behaviour_logp": torch.tensor([-0.5]), "sampler_logp": None}]  # the hf sampler: nothing to compare
     gaps = [0.0, -1.0, 1.0]  # log pi_trainer - log pi_sampler on the three vLLM tokens
-    abs_sum, k3_sum, outside, weight_sum, count, largest = logs.sampler_mismatch(fresh)
+    abs_sum, k3_sum, outside, weight_sum, count, largest = report.sampler_mismatch(fresh)
     assert abs_sum == pytest.approx(2.0) and largest == pytest.approx(1.0) and count == 3
     assert k3_sum == pytest.approx(sum(math.exp(g) - 1 - g for g in gaps))
     assert outside == 2  # e^-1 = 0.37 and e^1 = 2.72 leave [0.5, 2]
@@ -728,7 +728,7 @@ def test_sampler_mismatch_sums_by_hand():
 
 def test_sampler_correction_needs_vllm(tiny_model, train_file, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        flags.check_args(remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, sampler="hf", sampler_is_cap=2.0)))
+        console.check_args(remix.finalize_args(tiny_args(tiny_model, train_file, tmp_path, sampler="hf", sampler_is_cap=2.0)), 1)
     assert exit_info.value.code == 2
     assert "--sampler-is-cap needs --sampler vllm" in capsys.readouterr().err
 
@@ -946,7 +946,7 @@ def test_step_metrics_adv_scale_and_trace_product_by_hand():
     dist.padding.clear()
     dist.padding.update(tokens=6, slots=8)
     diagnostics = remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=1, vtrace_c_bar=1.0))
-    record = logs.step_metrics(3, fresh, history, diagnostics, {})
+    record = report.step_metrics(3, fresh, history, diagnostics, {})
     # mean |A| over historical tokens (0.5 + 0.5 + 1) / 3, over fresh ones (2 + 2 + 1) / 3
     assert record["offpolicy/adv_scale"] == pytest.approx((2 / 3) / (5 / 3))
     assert record["offpolicy/trace_prod_mean"] == pytest.approx(0.5 * 0.8 * 1.0)
@@ -961,7 +961,7 @@ def test_step_metrics_adv_scale_and_trace_product_by_hand():
     # with a critic: targets (1, 2, 3, 4), values (1, 1, 3, 5): residuals (0, 1, 0, -1), Var 0.5 against Var 1.25
     for s, (target, value) in zip(fresh + history, (([1.0, 2.0], [1.0, 1.0]), ([3.0], [3.0]), ([4.0], [5.0]))):
         s["value_targets"], s["values"] = torch.tensor(target), torch.tensor(value)
-    record = logs.step_metrics(3, fresh, history, diagnostics, {})
+    record = report.step_metrics(3, fresh, history, diagnostics, {})
     assert record["losses/explained_variance"] == pytest.approx(1 - 0.5 / 1.25)
 
 
@@ -975,7 +975,7 @@ def test_zero_std_groups_counts_fresh_groups_whose_rewards_all_agree():
     adv = {"mask": mask, "advantages": torch.zeros(8, 1), "trace_c": torch.ones(8, 1), "log_ratio": torch.zeros(8, 1),
            "historical": torch.arange(8) >= 6}
     dist.padding.update(tokens=8, slots=8)
-    record = logs.step_metrics(2, fresh, history, remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=2)),
+    record = report.step_metrics(2, fresh, history, remix.offpolicy_diagnostics(adv, fresh, remix.Args(group_size=2)),
                                {})
     assert record["reward/zero_std_groups"] == pytest.approx(2 / 3)
     assert record["batch/historical"] == 2 and record["offpolicy/ratio_mean"] == 1.0
@@ -1055,7 +1055,7 @@ def run_update(case: dict) -> tuple[dict, dict]:
 
 
     device = dist.init()
-    args = flags.settings(remix.Args, **case["args"])
+    args = console.settings(remix.Args, **case["args"])
     policy = AutoModelForCausalLM.from_pretrained(case["model"])
     policy.load_state_dict(case["policy"])
     critic = None
@@ -1094,7 +1094,7 @@ def rerun_update(case: dict, **overrides) -> tuple:
     from transformers import AutoModelForCausalLM
 
     zero_advantages, utd = overrides.pop("zero_advantages", False), overrides.pop("utd", case["utd"])
-    args = flags.settings(remix.Args, **{**case["args"], **overrides})
+    args = console.settings(remix.Args, **{**case["args"], **overrides})
     before = AutoModelForCausalLM.from_pretrained(case["model"])
     before.load_state_dict(case["policy"])
     policy = copy.deepcopy(before)
@@ -1148,7 +1148,7 @@ def gradients_at_each_step(tiny_model, monkeypatch, objective) -> list[dict]:
     gradient of the policy and of the critic as it reaches the step (None where a parameter has none)."""
     monkeypatch.setattr(remix, "objective", objective)
     dist.init()
-    args = remix.finalize_args(flags.settings(remix.Args, model=tiny_model, algo="ppo", sampler="hf", kl_beta=0.1,
+    args = remix.finalize_args(console.settings(remix.Args, model=tiny_model, algo="ppo", sampler="hf", kl_beta=0.1,
                                               ent_coef=0.01, mini_batch_prompts=2, out="unused"))
     policy, reference, critic = models.load(args)
     optimizers = [models.optimizer(net, 1e-3, 0.01, False) for net in (policy, critic)]
@@ -1202,7 +1202,7 @@ def test_a_fork_zeroing_every_loss_of_the_objective_zeroes_every_gradient(tiny_m
 # ----------------------------------------------------------------------------------------------
 def test_models_have_no_dropout_in_training_mode(tiny_model, tmp_path):
     dist.init()
-    policy, reference, critic = models.load(remix.finalize_args(flags.settings(remix.Args, model=tiny_model,
+    policy, reference, critic = models.load(remix.finalize_args(console.settings(remix.Args, model=tiny_model,
                                                                                algo="ppo")))
     mb = models.collate([{"prompt_ids": [1, 2, 3], "response_ids": [4, 5]}, {"prompt_ids": [6], "response_ids": [7]}], "cpu")
     for model, fn in ((policy, lambda m: remix.policy_forward(m, mb, 1.0)[0]), (critic, lambda m: remix.critic_forward(m, mb))):
@@ -1267,7 +1267,7 @@ def test_token_budgets_change_no_number(algo, tiny_model, train_file, tmp_path):
 
     for budget in (1, 120, 100_000):
         case["args"]["max_tokens_per_micro_batch"] = budget
-        args = flags.settings(remix.Args, **case["args"])
+        args = console.settings(remix.Args, **case["args"])
         policy = AutoModelForCausalLM.from_pretrained(case["model"])
         policy.load_state_dict(case["policy"])
         dist.padding.clear()

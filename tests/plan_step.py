@@ -55,11 +55,11 @@ def main():
     import torch
 
     import remix
-    from machinery import dist, flags, plan
+    from machinery import console, dist, plan
 
     folder, algo, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.set_num_threads(1)
-    args = remix.finalize_args(flags.settings(remix.Args, model=folder, algo=algo, sampler="hf",
+    args = remix.finalize_args(console.settings(remix.Args, model=folder, algo=algo, sampler="hf",
                                               max_tokens_per_micro_batch=tokens, max_prompt_tokens=tokens // 8,
                                               max_response_tokens=tokens // 2 - tokens // 8, mini_batch_prompts=64,
                                               gradient_checkpointing="--checkpointing" in sys.argv, out="unused"))

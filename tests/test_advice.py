@@ -1,4 +1,4 @@
-"""Every piece of advice the plan prints, followed, gives a run the plan accepts (machinery.advice). For each kind of
+"""Every piece of advice the plan prints, followed, gives a run the plan accepts (plan.remedies). For each kind of
 advice, a run on a machine (its readings patched at their one reading: the GPU's free and total memory, the host's
 available memory, each file system's free bytes) that does not fit and is told that kind; then each alternative the
 line names is read off the line, added to the run's flags as a user would type it (a launcher's process count by
@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import remix  # noqa: E402
-from machinery import dist, flags, plan, runfolder, runner, safeload  # noqa: E402
+from machinery import console, data, dist, plan, runfolder, runner  # noqa: E402
 from tests.common import ROOT, tiny_args  # noqa: E402
 
 R1_15B = str(ROOT / "benchmarks" / "configs" / "deepseek-r1-distill-qwen-1.5b.json")
@@ -61,9 +61,9 @@ def judge(given: dict, monkeypatch, capsys, world: int = 1, source: str = R1_15B
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
     else:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    args = remix.finalize_args(flags.settings(remix.Args, **given))
+    args = remix.finalize_args(console.settings(remix.Args, **given))
     try:
-        flags.check_args(args)
+        console.check_args(args, world)
         plan.check(args, source, lengths=lengths)
         return None
     except SystemExit as stop:
@@ -82,7 +82,7 @@ def alternatives(line: str) -> list[tuple[dict, int]]:
         texts = [line.split("these together do: ", 1)[1]]
     else:
         return []
-    hints = typing.get_type_hints(flags.settings_type(remix.Args))
+    hints = typing.get_type_hints(console.settings_type(remix.Args))
     found = []
     for text in texts:
         words, added, world = re.sub(r"\([^)]*\)", "", text).split(), {}, 1
@@ -208,7 +208,7 @@ def test_evaluations_on_another_file_system_are_counted_there(machine, monkeypat
     out = str(tmp_path / "run")
     given = {**GPU, "algo": "grpo", "keep_last": 1, "eval_every": 1, "eval_max_tokens": 32768, "out": out}
     lengths = plan.Lengths(eval_problems=1000)
-    need = plan.evaluation_bytes(remix.finalize_args(flags.settings(remix.Args, **given)), lengths)
+    need = plan.evaluation_bytes(remix.finalize_args(console.settings(remix.Args, **given)), lengths)
     machine(gpu=(80 * GB, 80 * GB), disk={out: 1e15, os.path.join(out, "eval"): need / 2})
     line = judge(given, monkeypatch, capsys, lengths=lengths)
     assert line is not None and f"the run does not fit: disk of {out}/eval" in line and "--eval-every" in line, line
@@ -222,7 +222,7 @@ def test_evaluations_on_another_file_system_are_counted_there(machine, monkeypat
 def test_a_resumed_run_is_told_no_flag(machine, monkeypatch, capsys, tmp_path):
     """A resume continues with the run's saved flags (checkpoints.resume_args): the advice names none."""
     machine(gpu=(80 * GB, 80 * GB))
-    args = remix.finalize_args(flags.settings(remix.Args, **GPU, algo="grpo", sampler="hf", out=str(tmp_path),
+    args = remix.finalize_args(console.settings(remix.Args, **GPU, algo="grpo", sampler="hf", out=str(tmp_path),
                                               resume=str(tmp_path)))
     monkeypatch.setattr(dist, "world", lambda: 1)
     with pytest.raises(SystemExit):
@@ -254,9 +254,9 @@ def test_a_small_run_of_a_large_vocabulary_model_fits_a_24_gb_cpu_machine(tiny_m
         if name.startswith(("tokenizer", "chat_template", "special_tokens")):
             (folder / name).write_bytes((Path(tiny_model) / name).read_bytes())
     (folder / "config.json").write_text(json.dumps(SMOLLM_135M))
-    monkeypatch.setattr(safeload, "check_model_folder", lambda folder: None)  # a config without its weights
     monkeypatch.setattr(plan, "device_memory", lambda: None)
     monkeypatch.setattr(plan, "host_available", lambda: 24 * GB)
+    monkeypatch.setattr(data, "check_weight_files", lambda *args: None)  # a config without weights: the plan reads no more
     args = tiny_args(str(folder), train_file, tmp_path / "run", prompts_per_step=4, group_size=4,
                      max_response_tokens=24, mini_batch_prompts=32, max_tokens_per_micro_batch=16384, steps=1)
     session = runner.Session(args, remix.METHOD)

@@ -1,4 +1,4 @@
-"""DeepScaleR's answer rules (machinery/deepscaler.py): cases worked out by hand from the rules, and every real
+"""DeepScaleR's answer rules (deepscaler.py): cases worked out by hand from the rules, and every real
 benchmark answer boxed as given (must grade right) and with its first number changed (must grade wrong)."""
 
 import json
@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from machinery import deepscaler, grader  # noqa: E402
+import deepscaler  # noqa: E402
+from machinery import grader  # noqa: E402
 
 DATA = Path(os.environ.get("REMIX_DATA") or ROOT / "data")
 RIGHT, WRONG, NO_BOX = (1.0, "ok"), (0.0, "ok"), (0.0, "no_boxed")
@@ -63,7 +64,7 @@ CASES = [  # (response, gold, expected grade): what the rules give, worked out b
     (r"\boxed{13}", "12", WRONG),
 ]
 
-# where DeepScaleR's rules and math-verify (remix.grade_any's check) part ways
+# where DeepScaleR's rules and math-verify (report.grade_any's check) part ways
 DISAGREE = [
     (r"\boxed{2/4}", r"\frac{1}{2}", WRONG),  # an unreduced fraction is refused
     (r"\boxed{\frac{8}{2}}", "4", WRONG),  # an integer gold wants an integer
@@ -90,7 +91,7 @@ def test_any_gold_form_and_errors():
 
 
 def test_imports_without_torch():
-    check = "import sys; import machinery.deepscaler; assert 'torch' not in sys.modules"
+    check = "import sys; import deepscaler; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", check], cwd=ROOT, check=True)
 
 

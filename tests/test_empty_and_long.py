@@ -102,18 +102,18 @@ def test_curves_refuse_an_out_that_is_a_file_and_drop_a_last_line_cut_short(tmp_
 def test_no_text_over_the_character_bound_tokenizes_into_that_many_tokens(tiny_model):
     """The bound's premise, against the real tokenizer: the text that packs the most characters into each token
     (its longest vocabulary entry, repeated) still needs more than `tokens` tokens once it is past the bound."""
-    tokenizer = runner.load_tokenizer(tiny_model)
+    tokenizer = data.load_tokenizer(tiny_model)
     longest = max(tokenizer.get_vocab(), key=len)
     text = tokenizer.convert_tokens_to_string([longest]) * 40
-    bound = data.char_bound(tokenizer, 16)
+    bound = runner.char_bound(tokenizer, 16)
     assert len(text) > bound and len(tokenizer(text, add_special_tokens=False)["input_ids"]) > 16
     for sample in ("plain words", "ĠÄ unicode ∑ and 数学", "<|im_start|>" * 3):
         ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
-        assert len(sample) <= data.char_bound(tokenizer, len(ids)), sample
+        assert len(sample) <= runner.char_bound(tokenizer, len(ids)), sample
 
 
 def test_a_problem_of_megabytes_is_skipped_without_being_rendered(tiny_model, monkeypatch):
-    tokenizer = runner.load_tokenizer(tiny_model)
+    tokenizer = data.load_tokenizer(tiny_model)
     rendered = []
 
     def encode(problem):
@@ -122,9 +122,9 @@ def test_a_problem_of_megabytes_is_skipped_without_being_rendered(tiny_model, mo
 
     huge = "1 + " * 1_000_000  # 4 MB
     problems = [(huge, "1"), ("What is 1 + 1?", "2"), (huge, "3"), ("What is 2 + 2?", "4")]
-    bound = data.char_bound(tokenizer, 1024)
-    assert data.first_fitting_prompt(problems, encode, 1024, bound) == 1
-    stream = data.prompt_stream(problems, encode, 1024, seed=0, max_chars=bound)
+    bound = runner.char_bound(tokenizer, 1024)
+    assert runner.first_fitting_prompt(problems, encode, 1024, bound) == 1
+    stream = runner.prompt_stream(problems, encode, 1024, seed=0, max_chars=bound)
     drawn = [next(stream) for _ in range(4)]
     assert sorted({p.answer for p in drawn}) == ["2", "4"] and max(rendered) < 100, rendered
 
@@ -192,14 +192,14 @@ def test_eval_into_a_model_folder_is_refused_without_leaving_a_lock(tiny_model, 
 SECOND_SIGINT = """
 import os, runpy, signal, sys
 sys.path.insert(0, {root!r})
-from machinery import checkpoints, logs
+from machinery import checkpoints, report
 def save(*args, **kwargs):  # the first Ctrl-C lands in the first save
     os.kill(os.getpid(), signal.SIGINT)
-close = logs.RunLog.close
+close = report.RunLog.close
 def closing(self):  # the second while the run closes its logs on the way out
     os.kill(os.getpid(), signal.SIGINT)
     close(self)
-checkpoints.save, logs.RunLog.close = save, closing
+checkpoints.save, report.RunLog.close = save, closing
 sys.argv = [{program!r}, *{argv!r}]
 runpy.run_path({program!r}, run_name="__main__")
 """

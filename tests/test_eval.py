@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from machinery import evaluation  # noqa: E402
+from machinery import report  # noqa: E402
 from tests.common import BENCH, ROOT  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
@@ -44,13 +44,13 @@ def test_grader_on_every_benchmark_answer():
     """A response ending in the gold answer grades right on >= 99.5% of the 1,600 problems of the six files;
     the same response with a changed number grades wrong on >= 99%."""
     assert BENCH.is_dir(), f"benchmarks not found at {BENCH}"
-    problems = evaluation.load_benchmarks(list(evaluation.BENCHMARKS), None, None)
+    problems = report.read_benchmarks(list(report.BENCHMARKS), None, None)[0]
     assert len(problems) == 30 + 40 + 83 + 500 + 272 + 675
     items = []
     for i, p in enumerate(problems):
         template = RESPONSES[i % 3]
         items += [(template % p["answers"][0], p["answers"]), (template % wrong_version(p["answers"][0]), p["answers"])]
-    grades = evaluation.grade_many(remix.METHOD, items, workers=2, timeout=30)
+    grades = report.grade_many(remix.METHOD, items, workers=2, timeout=30)
     right = [g[0] == 1.0 for g in grades[0::2]]
     wrong = [g[0] == 0.0 for g in grades[1::2]]
     misses = [(p["benchmark"], p["id"], p["answers"][0]) for p, ok in zip(problems, right) if not ok]
@@ -64,7 +64,7 @@ def test_grader_on_every_benchmark_answer():
 def test_grade_many_survives_a_hanging_answer():
     # 10^(10^(10^10)) hangs inside C code where math-verify's alarm cannot fire; only the pool's limit stops it
     items = [("\\boxed{10^{10^{10^{10}}}}", ["1"]), ("\\boxed{1}", ["1"]), ("\\boxed{2}", ["1"])]
-    assert evaluation.grade_many(remix.METHOD, items, workers=1, timeout=4) == [(0.0, "timeout"), (1.0, "ok"), (0.0, "ok")]
+    assert report.grade_many(remix.METHOD, items, workers=1, timeout=4) == [(0.0, "timeout"), (1.0, "ok"), (0.0, "ok")]
 
 
 @pytest.mark.parametrize("n", range(1, 7))
@@ -74,14 +74,14 @@ def test_pass_at_k_against_enumeration(n):
         for k in range(1, n + 1):
             subsets = list(itertools.combinations(outcomes, k))
             brute = sum(any(s) for s in subsets) / len(subsets)
-            assert evaluation.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+            assert report.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
 
 
 def test_gold_answers_layouts():
-    assert evaluation.gold_answers({"answer": "27"}, "row") == ["27"]
-    assert evaluation.gold_answers({"answer": 27.0}, "row") == ["27"]  # hub AMC copies
-    assert evaluation.gold_answers({"answer": "9.6", "answers": ["9.6", "9.60"]}, "row") == ["9.6", "9.60"]  # Minerva
-    assert evaluation.gold_answers({"final_answer": ["$69$,$84$"]}, "row") == ["69,84"]  # hub OlympiadBench
+    assert report.gold_answers({"answer": "27"}, "row") == ["27"]
+    assert report.gold_answers({"answer": 27.0}, "row") == ["27"]  # hub AMC copies
+    assert report.gold_answers({"answer": "9.6", "answers": ["9.6", "9.60"]}, "row") == ["9.6", "9.60"]  # Minerva
+    assert report.gold_answers({"final_answer": ["$69$,$84$"]}, "row") == ["69,84"]  # hub OlympiadBench
 
 
 def write_samples(path: Path, rows: list[dict]):

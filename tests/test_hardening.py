@@ -25,9 +25,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from machinery import data, engines, evaluation, flags  # noqa: E402
-from tests.common import (ROOT, bad_values, one_error_line, read_metrics, run_remix, tiny_args,  # noqa: E402
-                          tiny_cli, two_step_ppo_run)
+from machinery import console, engines, report  # noqa: E402
+from tests.common import (ROOT, bad_values, load_problems, one_error_line, read_metrics, rewrite_manifest,  # noqa: E402
+                          run_remix, tiny_args, tiny_cli, two_step_ppo_run)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,20 +64,20 @@ EVAL_RANGES = {"n": "in [1, 1024]", "temperature": "0 or in [0.01, 100]", "top_p
 
 
 @pytest.mark.parametrize("program, sources, reference", [
-    ("remix", [("remix.py", "Args"), ("machinery/flags.py", "RunArgs")], REMIX_RANGES),
+    ("remix", [("remix.py", "Args"), ("machinery/console.py", "RunArgs")], REMIX_RANGES),
     ("eval", [("eval.py", "EvalArgs")], EVAL_RANGES)])
 def test_every_numeric_flag_has_the_range_its_help_states(program, sources, reference):
-    """flags.ranges reads each numeric field's range from its docstring, over both classes of a run's settings (the
+    """console.ranges reads each numeric field's range from its docstring, over both classes of a run's settings (the
     method's Args and the run's RunArgs): every field of the reference table has that range (a fork's new numeric
     flag has one too, or ranges() refuses it: the next test)."""
     import dataclasses
     import typing
 
-    target = flags.settings_type(remix.Args) if program == "remix" else eval_cli.EvalArgs
+    target = console.settings_type(remix.Args) if program == "remix" else eval_cli.EvalArgs
     hints = typing.get_type_hints(target)
     numeric = {f.name for f in dataclasses.fields(target)
                if {int, float} & set(typing.get_args(hints[f.name]) or (hints[f.name],)) - {bool}}
-    found = flags.ranges(target)
+    found = console.ranges(target)
     assert set(found) == numeric and reference.items() <= found.items(), (set(reference) ^ set(found))
     docs = {name: doc for file, cls in sources for name, doc in field_docstrings(ROOT / file, cls).items()}
     for name, bound in found.items():
@@ -96,20 +96,20 @@ def test_a_numeric_flag_without_a_range_is_refused_in_one_line(tmp_path, capsys,
     for cls, flag, said in ((forked_flags.Args, "--clip-eps-high", "states no range"),
                             (forked_flags.Floor, "--window", "states no upper bound")):
         with pytest.raises(SystemExit) as exit_info:
-            flags.ranges(cls)
+            console.ranges(cls)
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2 and len(err) == 1 and f"{flag} of {cls.__name__}" in err[0] \
             and said in err[0], err
-    assert flags.within(0.0, "in [0, 1)") and not flags.within(1.0, "in [0, 1)") and flags.within(1.0, "in (0, 1]")
-    assert not flags.within(0, "> 0") and flags.within(0, ">= 0") and not flags.within(float("nan"), ">= 0")
+    assert console.within(0.0, "in [0, 1)") and not console.within(1.0, "in [0, 1)") and console.within(1.0, "in (0, 1]")
+    assert not console.within(0, "> 0") and console.within(0, ">= 0") and not console.within(float("nan"), ">= 0")
 
 
-@pytest.mark.parametrize("name, bound", list(flags.ranges(flags.settings_type(remix.Args)).items()))
+@pytest.mark.parametrize("name, bound", list(console.ranges(console.settings_type(remix.Args)).items()))
 def test_each_bad_value_of_a_remix_flag_gets_one_line_and_writes_nothing(name, bound, tiny_model, train_file,
                                                                          tmp_path, capsys):
     import typing
 
-    integer = typing.get_type_hints(flags.settings_type(remix.Args))[name] in (int, int | None)
+    integer = typing.get_type_hints(console.settings_type(remix.Args))[name] in (int, int | None)
     for value in bad_values(bound, integer):
         out = tmp_path / "out"
         with pytest.raises(SystemExit) as exit_info:
@@ -127,7 +127,7 @@ def test_the_numbers_past_any_sane_bound_that_overflowed_get_one_line(flag, valu
     """Issue 37's four: each overflowed in a select, a timedelta or a deque after --out was written."""
     with pytest.raises(SystemExit) as exit_info:
         remix.train(tiny_args(tiny_model, train_file, tmp_path / "out", **{flag: value}))
-    err, bound = capsys.readouterr().err.strip().splitlines(), flags.ranges(flags.settings_type(remix.Args))[flag]
+    err, bound = capsys.readouterr().err.strip().splitlines(), console.ranges(console.settings_type(remix.Args))[flag]
     assert exit_info.value.code == 2 and err == [f"remix: error: --{flag.replace('_', '-')} must be {bound}, "
                                                  f"got {value}"], err
     assert not (tmp_path / "out").exists()
@@ -195,7 +195,7 @@ def test_an_environment_number_in_range_is_what_the_plan_counts(tiny_model, monk
     from machinery import plan
 
     shape = plan.shape_of(tiny_model)
-    args = remix.finalize_args(flags.settings(remix.Args, model=tiny_model, sampler="vllm"))
+    args = remix.finalize_args(console.settings(remix.Args, model=tiny_model, sampler="vllm"))
     for value, gib in (("3", 3), (None, 1)):
         if value is None:
             monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
@@ -204,7 +204,7 @@ def test_an_environment_number_in_range_is_what_the_plan_counts(tiny_model, monk
         assert plan.memory(shape, args, 1, False, False, 0.0)["parts"]["engine"] == 4 * shape.params + gib * 2**30
 
 
-@pytest.mark.parametrize("name, bound", list(flags.ranges(eval_cli.EvalArgs).items()))
+@pytest.mark.parametrize("name, bound", list(console.ranges(eval_cli.EvalArgs).items()))
 def test_each_bad_value_of_an_eval_flag_gets_one_line(name, bound, tiny_model, tmp_path, capsys):
     import typing
 
@@ -238,7 +238,7 @@ def test_a_flag_that_divides_or_times_out_is_refused_under_its_floor(program, fl
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
         f"{program}: error: --{flag.replace('_', '-')} must be {bound}, got {value}"]
     assert not out.exists()
-    assert flags.within(0.0, flags.ranges(eval_cli.EvalArgs)["temperature"])
+    assert console.within(0.0, console.ranges(eval_cli.EvalArgs)["temperature"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -315,31 +315,31 @@ def test_help_shows_every_setting_once_flat_in_the_methods_group_and_the_runs(mo
     other (the flags the one Args of before made: the same 64 fields)."""
     import dataclasses
 
-    method, run_settings = dataclasses.fields(remix.Args), dataclasses.fields(flags.RunArgs)
+    method, run_settings = dataclasses.fields(remix.Args), dataclasses.fields(console.RunArgs)
     assert len(method) <= 36 and not {f.name for f in method} & {f.name for f in run_settings}
     assert help_rows(remix.Args, "remix", monkeypatch, capsys) == {
-        "options": ["-h", "--help"], "method options": flags_of(remix.Args), "run options": flags_of(flags.RunArgs)}
+        "options": ["-h", "--help"], "method options": flags_of(remix.Args), "run options": flags_of(console.RunArgs)}
     assert {"--algo", "--group-size", "--off-policy-p", "--no-kl-convex"} <= set(flags_of(remix.Args))
-    assert {"--model", "--sampler", "--out", "--resume", "--no-vllm-sleep"} <= set(flags_of(flags.RunArgs))
+    assert {"--model", "--sampler", "--out", "--resume", "--no-vllm-sleep"} <= set(flags_of(console.RunArgs))
 
 
 def test_a_run_is_built_in_one_call_and_a_misspelled_keyword_is_an_error():
-    """flags.settings(Args, ...): the method's and the run's fields in one object, by keyword, the rest at their
+    """console.settings(Args, ...): the method's and the run's fields in one object, by keyword, the rest at their
     defaults; a keyword of neither class is a TypeError, and a method's Args alone is no run's settings."""
     import dataclasses
     import pickle
 
-    args = flags.settings(remix.Args, steps=2, group_size=4, sampler="hf", out="runs/x")
-    assert isinstance(args, remix.Args) and isinstance(args, flags.RunArgs)
+    args = console.settings(remix.Args, steps=2, group_size=4, sampler="hf", out="runs/x")
+    assert isinstance(args, remix.Args) and isinstance(args, console.RunArgs)
     assert (args.steps, args.group_size, args.sampler, args.out) == (2, 4, "hf", "runs/x")
-    assert (args.window, args.seed) == (remix.Args.window, flags.RunArgs.seed)
-    assert type(args) is type(flags.settings(remix.Args)) and len(dataclasses.fields(args)) == \
-        len(dataclasses.fields(remix.Args)) + len(dataclasses.fields(flags.RunArgs))
+    assert (args.window, args.seed) == (remix.Args.window, console.RunArgs.seed)
+    assert type(args) is type(console.settings(remix.Args)) and len(dataclasses.fields(args)) == \
+        len(dataclasses.fields(remix.Args)) + len(dataclasses.fields(console.RunArgs))
     assert pickle.loads(pickle.dumps(args)) == args  # as the one Args of before was (a class made at run time)
     for typo in ("stpes", "sampelr"):
         with pytest.raises(TypeError, match=typo):
-            flags.settings(remix.Args, **{typo: 2})
-    with pytest.raises(TypeError, match=r"flags.settings\(Args, ...\)"):
+            console.settings(remix.Args, **{typo: 2})
+    with pytest.raises(TypeError, match=r"console.settings\(Args, ...\)"):
         remix.train(remix.Args(steps=2))
 
 
@@ -363,12 +363,12 @@ def test_a_forks_new_setting_is_a_flag_of_the_method_with_its_range_checked(tmp_
     rows = help_rows(fork.Args, "remix_mine", monkeypatch, capsys)
     assert rows["method options"] == flags_of(remix.Args)[:flags_of(remix.Args).index("--value-clip")] + \
         ["--clip-eps-high"] + flags_of(remix.Args)[flags_of(remix.Args).index("--value-clip"):]
-    assert rows["run options"] == flags_of(flags.RunArgs)
+    assert rows["run options"] == flags_of(console.RunArgs)
     parsed = runner.cli(fork.Args, "remix_mine", ["--clip-eps-high", "0.3", "--sampler", "hf", "--clip-eps", "0.1"])
     assert (parsed.clip_eps_high, parsed.sampler, parsed.clip_eps) == (0.3, "hf", 0.1)
-    assert flags.ranges(type(parsed))["clip_eps_high"] == "in (0, 1)"
+    assert console.ranges(type(parsed))["clip_eps_high"] == "in (0, 1)"
     with pytest.raises(SystemExit) as exit_info:
-        flags.check_ranges(dataclasses.replace(parsed, clip_eps_high=1.5))
+        console.check_ranges(dataclasses.replace(parsed, clip_eps_high=1.5))
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
         "remix: error: --clip-eps-high must be in (0, 1), got 1.5"]
     monkeypatch.setattr(sys, "argv", ["remix_mine.py", "--clip-eps-hihg", "0.3"])
@@ -383,7 +383,7 @@ def test_a_forks_new_setting_is_a_flag_of_the_method_with_its_range_checked(tmp_
     import clash
 
     with pytest.raises(SystemExit) as exit_info:
-        flags.settings_type(clash.Args)
+        console.settings_type(clash.Args)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "Args.seed" in err[0] and "a setting of the run" in err[0]
 
@@ -403,8 +403,8 @@ def test_each_program_parses_its_command_line_with_the_one_parser(program, argv,
 
 def test_track_without_wandb_installed_gets_one_line_and_writes_nothing(tiny_model, train_file, tmp_path, capsys,
                                                                         monkeypatch):
-    real = flags.importlib.util.find_spec
-    monkeypatch.setattr(flags.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    real = console.importlib.util.find_spec
+    monkeypatch.setattr(console.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(SystemExit) as exit_info:
         remix.train(tiny_args(tiny_model, train_file, tmp_path / "out", track=True))
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
@@ -421,14 +421,14 @@ def test_answers_of_any_stored_type_grade_alike_and_unusable_rows_are_skipped_wi
             {"problem": None, "answer": "1"}, {"problem": "h", "answer": True}, {"problem": "i", "answer": " "}]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert data.load_problems(str(path), "problem", "answer") == [("a", "5"), ("b", "5"), ("c", "5")]
+    assert load_problems(str(path), "problem", "answer") == [("a", "5"), ("b", "5"), ("c", "5")]
     out = capsys.readouterr().out
     assert "skipped 6 of 9 rows" in out and "row 4" in out
-    assert evaluation.math_reward(remix.METHOD, "so \\boxed{5}", 5) == evaluation.math_reward(remix.METHOD, "so \\boxed{5}", "5") == 1.0
-    assert evaluation.math_reward(remix.METHOD, "\\boxed{None}", "5") == 0.0
+    assert report.math_reward(remix.METHOD, "so \\boxed{5}", 5) == report.math_reward(remix.METHOD, "so \\boxed{5}", "5") == 1.0
+    assert report.math_reward(remix.METHOD, "\\boxed{None}", "5") == 0.0
     for bad in (None, "", ["5"], True, float("nan")):
         with pytest.raises(ValueError, match="must be a non-empty string or a number"):
-            evaluation.math_reward(remix.METHOD, "\\boxed{5}", bad)
+            report.math_reward(remix.METHOD, "\\boxed{5}", bad)
 
 
 def test_a_regrade_never_iterates_a_string_answer(tmp_path):
@@ -467,7 +467,7 @@ def test_every_broken_dataset_gets_one_line_that_names_it(case, content, message
     else:
         path.write_text(content)
     with pytest.raises(SystemExit) as exit_info:
-        data.load_problems(str(path), "problem", "answer")
+        load_problems(str(path), "problem", "answer")
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and message in err[0] and str(path) in err[0], err
 
@@ -653,6 +653,7 @@ def test_a_saved_flag_under_its_floor_is_refused_before_a_resume_runs_a_step(fin
     state = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)
     state["args"]["method"]["temperature"] = 1e-300
     torch.save(state, out / "checkpoint-2" / "trainer_state.pt")
+    rewrite_manifest(out / "checkpoint-2")  # as that version saved it
     done = run_remix("--resume", str(out), "--steps", "3")
     one_error_line(done, "--temperature must be in [0.01, 100], got 1e-300")
     assert [r["step"] for r in read_metrics(out)] == [1, 2] and not (out / "checkpoint-3").exists()
@@ -666,14 +667,14 @@ def test_a_payload_planted_in_any_file_a_resume_reads_never_runs(name, finished_
     out, marker = tmp_path / "run", tmp_path / "MARKER"
     shutil.copytree(finished_run, out)
     plant(out, name, marker)
+    rewrite_manifest(out / "checkpoint-2")  # past the digests: what stands between the payload and a resume
     done = run_remix("--resume", str(out), "--steps", "3")
     assert not marker.exists(), f"the payload in {name} ran"
-    if name.endswith(".pt"):  # refused outright, naming the file
+    if name.endswith(".pt"):  # refused outright, naming the file: the folder may be tampered with
         one_error_line(done, f"checkpoint-2/{name} holds objects the safe loader refuses")
-    elif name.endswith(".safetensors"):  # the newest checkpoint has no weights: named, and the one before resumes
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert f"{out / 'checkpoint-2' / Path(name).parent} holds no model.safetensors" in done.stdout
-        assert f"resuming from {out / 'checkpoint-1'} instead" in done.stdout
+    elif name.endswith(".safetensors"):  # weights are read from safetensors alone: the pickle is never opened
+        one_error_line(done, f"cannot load model '{out / 'checkpoint-2' / Path(name).parent}'")
+        assert "no file named model.safetensors" in done.stderr
     else:  # remote code is never trusted: the run either ignores the map or stops with one line
         assert done.returncode in (0, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
 
@@ -785,9 +786,9 @@ def test_output_whose_reader_is_gone_is_dropped_and_the_program_goes_on():
     os.close(read)
     stream.write("x" * 200_000)  # past the buffer: written at once, and refused
     stream.flush()
-    meter = console.Meter("greedy aime24", 10, prog="eval", stream=stream, tty=False)
-    meter.advance(5)
-    meter.finish()
+    bar = console.progress("greedy aime24", 10, prog="eval", stream=stream)
+    bar.update(5)
+    bar.close()
     console.say("still here", "eval", stream)
     assert os.path.samefile(f"/proc/self/fd/{stream.fileno()}", os.devnull)
     stream.close()
@@ -819,7 +820,7 @@ def test_a_run_whose_output_is_closed_or_unread_finishes_as_it_would_have(form, 
     """Issue 43: `remix.py ... >&-` ended in a traceback before step 1, `remix.py ... | head -1` at the first step's
     line, the step lost. The run goes on and ends as it would have: exit 0, both steps logged, the last checkpoint
     whole (its trainer state at step 2), no traceback."""
-    from machinery import checkpoints, safeload
+    from machinery import checkpoints
 
     out = tmp_path / "run"
     code = run_unread(form, "remix.py", tiny_cli(tiny_model, train_file, out, "--steps", "2", "--save-every", "1",
@@ -829,7 +830,7 @@ def test_a_run_whose_output_is_closed_or_unread_finishes_as_it_would_have(form, 
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     assert [json.loads(line)["step"] for line in (out / "completions.jsonl").open()] == [1, 1, 2, 2]
     assert checkpoints.complete(str(out)) == [str(out / "checkpoint-2")]
-    assert safeload.read_pt(str(out / "checkpoint-2" / "trainer_state.pt"))["progress"]["step"] == 2
+    assert checkpoints.read_pt(str(out / "checkpoint-2" / "trainer_state.pt"))["progress"]["step"] == 2
 
 
 @pytest.mark.long
@@ -924,7 +925,7 @@ def test_the_engine_runs_in_process_and_a_push_that_misses_a_weight_stops_the_ru
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's environment asks for another process
     dist.init()
-    args = remix.finalize_args(flags.settings(remix.Args, model=tiny_model, max_prompt_tokens=64,
+    args = remix.finalize_args(console.settings(remix.Args, model=tiny_model, max_prompt_tokens=64,
                                               max_response_tokens=16))
     llm = engines.start(args)
     assert type(llm.llm_engine.engine_core).__name__ == "InprocClient"

@@ -29,7 +29,7 @@ WRITERS = {"os": {"makedirs", "mkdir", "replace", "rename", "renames", "remove",
            "tempfile": {"mkdtemp", "mkstemp", "NamedTemporaryFile", "TemporaryDirectory"},
            "torch": {"save"}, "wandb": {"init"}}
 ANY_WRITERS = {"mkdir", "makedirs", "unlink", "rmtree", "write_text", "write_bytes", "touch", "rename", "symlink_to",
-               "save_pretrained", "SummaryWriter", "savefig", "mkdtemp", "hardlink_to"}
+               "save_pretrained", "SummaryWriter", "savefig", "mkdtemp", "hardlink_to", "save_file"}
 WRITE_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND"}
 # Calls the walk finds that write nothing under --out, each with why (file, enclosing function, call name):
 ALLOWED = {
@@ -37,9 +37,10 @@ ALLOWED = {
     ("machinery/checkpoints.py", "write_model", "model.save_pretrained"),  # into .tmp-checkpoint-STEP, just made
     ("machinery/checkpoints.py", "write_model", "tokenizer.save_pretrained"),  # the same folder
     ("machinery/checkpoints.py", "write_rank_files", "torch.save"),  # into a file runfolder.open_file opened (twice)
-    ("machinery/logs.py", "__init__", "SummaryWriter"),  # OUT/tb, made and checked for links by check_tree first
-    ("machinery/logs.py", "__init__", "wandb.init"),  # wandb.init(dir=OUT): OUT/wandb checked by check_tree first
-    ("machinery/logs.py", "save", "fig.savefig"),  # into a file object runfolder.new_file opened
+    ("machinery/report.py", "__init__", "SummaryWriter"),  # OUT/tb, made and checked for links by check_tree first
+    ("machinery/report.py", "__init__", "wandb.init"),  # wandb.init(dir=OUT): OUT/wandb checked by check_tree first
+    ("eval.py", "save", "fig.savefig"),  # into a file object runfolder.new_file opened
+    ("machinery/checkpoints.py", "cast_folder", "save_file"),  # into a .trash-* folder runfolder.fresh_folder just made
     ("machinery/console.py", "drop", "os.open"),  # /dev/null, onto stdout or stderr once it cannot be written
     ("machinery/console.py", "drop_unwritable_output", "os.open"),  # /dev/null, onto a standard descriptor closed
     ("machinery/console.py", "drop_unwritable_output", "open"),  # descriptor 1 or 2 as a stream, when Python made none
@@ -377,7 +378,7 @@ def resumed(first_step, tmp_path_factory):
 
 def resume_paths(resumed: Path) -> list[str]:
     """What a resume writes or rewrites: everything but the checkpoint it reads (the loader's checks of what it
-    reads are safeload's)."""
+    reads are checkpoints.read_pt's and the manifest's)."""
     return [p for p in listing(resumed) if not p.startswith("checkpoint-1")]
 
 
@@ -403,11 +404,11 @@ def resume_in_process(capsys):
     """start(out) for check_planted: the resume to step 2 in this process (seconds where a new process takes tens)."""
     def start(out):
         import remix
-        from machinery import flags, runfolder
+        from machinery import console, runfolder
 
         code = 0
         try:
-            remix.train(flags.settings(remix.Args, resume=str(out), steps=2))
+            remix.train(console.settings(remix.Args, resume=str(out), steps=2))
         except SystemExit as exit_info:
             code = exit_info.code
         finally:

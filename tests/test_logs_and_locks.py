@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
-from machinery import logs, runfolder  # noqa: E402
+from machinery import report, runfolder  # noqa: E402
 from tests.common import ROOT, one_error_line, read_metrics, run_remix, tiny_cli  # noqa: E402
 
 EVAL_FLAGS = ["--benchmarks", "aime24", "amc83", "--limit", "2", "--max-tokens", "6", "--sampler", "hf"]
@@ -268,7 +268,7 @@ def test_junk_lines_in_a_log_are_dropped_with_a_note_naming_file_and_line(tmp_pa
     junk = [b"\xff\xfe binary\n", b"[1, 2]\n", b'{"step": "2"}\n', b'{"no step": 1}\n', b"[" * 100_000 + b"\n",
             b"\n"]
     path.write_bytes(good[0].encode() + b"".join(junk) + good[1].encode() + good[2].encode() + b'{"step": 2, "rew')
-    kept = logs.read_jsonl_upto(str(path), 2)
+    kept = report.read_jsonl_upto(str(path), 2)
     assert kept == good[:2]
     notes = capsys.readouterr().out.splitlines()
     assert notes == [f"remix: {path}, line {n}: dropped an unreadable line" for n in (2, 3, 4, 5, 6)] + \

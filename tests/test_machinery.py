@@ -1,7 +1,9 @@
-"""machinery/'s shape, read from its source: rooms of at most 450 lines, at most 18 files, each opening with a
-one-line statement of its job; machinery/__init__.py's map lists every module once, in an order where each imports
-(at its top) only modules listed below it; no module imports remix, and no import circle. The walk is checked on
-planted packages too, so a walk that found nothing would fail."""
+"""machinery/'s shape, read from its source: at most 12 files of at most 450 lines and 4,000 in all, each opening with
+a one-line statement of its job; the product (every .py outside the tests, the toy and the benchmarks) at most 5,100
+lines; machinery/__init__.py's map lists every module once, in an order where each imports only modules listed below
+it, counting every import, those inside functions too; no module imports remix; no import circle; at most 35
+connected pairs of modules; the bottom module (what prints and ends a program) imports none of them. The walk is
+checked on planted packages too, so a walk that found nothing would fail."""
 
 import ast
 import re
@@ -12,56 +14,35 @@ import pytest
 from tests.common import ROOT
 
 MACHINERY = ROOT / "machinery"
-MAX_FILES, MAX_LINES = 18, 450
-# Imports inside functions that point up the map, each with why it is there and not at the top (where it would close
-# a circle): (importer, imported)
-LATE_UPWARD = {
-    ("console", "dist"): "a rank is asked for only when a line is said: console is imported before torch is",
-    ("console", "runfolder"): "a signal's line names the folder this process locked, looked up when one lands",
-    ("console", "checkpoints"): "a signal's line names the run's last checkpoint, looked up when one lands",
-    ("dist", "flags"): "torchrun's environment numbers are checked as flags are (flags.env_number), at init",
-}
+MAX_FILES, MAX_LINES, MAX_TOTAL, MAX_PRODUCT, MAX_PAIRS = 12, 450, 4000, 5100, 35
+BOTTOM = "console"  # fail, say, progress, signals: the rank and a stopped run's line reach it as values
 
 
-def imports(path: Path, package: str) -> list[tuple[str, bool, int]]:
-    """(module imported, whether it runs when the file is imported (outside any function), line) for every import of
-    a module of package, or of remix, in a file."""
+def imports(path: Path, package: str) -> list[tuple[str, int]]:
+    """(module imported, line) for every import of a module of package, or of remix, anywhere in a file."""
     found = []
-
-    def visit(node, in_function):
-        for child in ast.iter_child_nodes(node):
-            names = []
-            if isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                parts = child.module.split(".")
-                if parts[0] == package:
-                    names = [alias.name for alias in child.names] if len(parts) == 1 else [parts[1]]
-                elif parts[0] == "remix":
-                    names = ["remix"]
-            elif isinstance(child, ast.Import):
-                for alias in child.names:
-                    parts = alias.name.split(".")
-                    if parts[0] == package and len(parts) > 1:
-                        names.append(parts[1])
-                    elif parts[0] == "remix":
-                        names.append("remix")
-            found.extend((name, not in_function, child.lineno) for name in names)
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
-
-    visit(ast.parse(path.read_text()), False)
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] == package:
+                names = [alias.name for alias in node.names] if len(parts) == 1 else [parts[1]]
+            elif parts[0] == "remix":
+                names = ["remix"]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                names += [parts[1]] if parts[0] == package and len(parts) > 1 else ["remix"] if parts[0] == "remix" \
+                    else []
+        found += [(name, node.lineno) for name in names]
     return found
 
 
-def graph(folder: Path) -> dict[str, dict[str, list[tuple[str, int]]]]:
-    """module -> {"top": [(imported, line)], "late": [(imported, line)]} over a package's folder."""
-    package = folder.name
+def graph(folder: Path) -> dict[str, list[tuple[str, int]]]:
+    """module -> [(imported module of the package or remix, line)] over a package's folder."""
     modules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
-    edges = {}
-    for module in sorted(modules):
-        edges[module] = {"top": [], "late": []}
-        for name, at_top, line in imports(folder / f"{module}.py", package):
-            if name in modules or name == "remix":
-                edges[module]["top" if at_top else "late"].append((name, line))
-    return edges
+    return {module: [(name, line) for name, line in imports(folder / f"{module}.py", folder.name)
+                     if (name in modules or name == "remix") and name != module] for module in sorted(modules)}
 
 
 def circle(edges: dict[str, list[str]]) -> list[str] | None:
@@ -74,20 +55,13 @@ def circle(edges: dict[str, list[str]]) -> list[str] | None:
         for nxt in edges.get(node, []):
             if state.get(nxt) == "open":
                 return path[path.index(nxt):] + [nxt]
-            if nxt not in state:
-                found = visit(nxt)
-                if found:
-                    return found
+            if nxt not in state and (found := visit(nxt)):
+                return found
         state[node] = "done"
         path.pop()
         return None
 
-    for node in sorted(edges):
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
-    return None
+    return next((found for node in sorted(edges) if node not in state and (found := visit(node))), None)
 
 
 def map_order(init: Path) -> list[str]:
@@ -96,48 +70,55 @@ def map_order(init: Path) -> list[str]:
     return [m.group(1) for m in re.finditer(r"^ {4}([a-z_]+) {2,}\S", doc, flags=re.M)]
 
 
-def problems(folder: Path, late_upward: dict) -> list[str]:
+def pairs(edges: dict[str, list[tuple[str, int]]]) -> set[frozenset]:
+    return {frozenset((module, name)) for module, found in edges.items() for name, _ in found if name != "remix"}
+
+
+def problems(folder: Path, bottom: str | None = None, max_pairs: int = MAX_PAIRS) -> list[str]:
     """Everything wrong with a package's shape, one line each (none: it is as this file's docstring says)."""
-    found, edges = [], graph(folder)
-    for module, kinds in edges.items():
-        found += [f"{module} imports remix (line {line})" for kind in kinds.values()
-                  for name, line in kind if name == "remix"]
-    top = {m: [n for n, _ in kinds["top"] if n != "remix"] for m, kinds in edges.items()}
-    loop = circle(top)
+    edges = graph(folder)
+    found = [f"{module} imports remix (line {line})" for module, imported in edges.items()
+             for name, line in imported if name == "remix"]
+    loop = circle({m: [n for n, _ in imported if n != "remix"] for m, imported in edges.items()})
     if loop:
-        found.append("an import circle at the modules' tops: " + " -> ".join(loop))
+        found.append("an import circle: " + " -> ".join(loop))
     order = map_order(folder / "__init__.py")
     if sorted(order) != sorted(edges):
-        found.append(f"__init__.py's map lists {sorted(order)}, the folder holds {sorted(edges)}")
-        return found
-    below = {m: set(order[i + 1:]) for i, m in enumerate(order)}
-    for module in order:
-        found += [f"{module} imports {name} at its top (line {line}), which the map lists above it"
-                  for name, line in edges[module]["top"] if name != "remix" and name not in below[module]]
-        upward = {(module, name) for name, _ in edges[module]["late"] if name != "remix" and name not in below[module]}
-        found += [f"{module} imports {name} inside a function, which the map lists above it: move it down, or name it "
-                  f"with its reason in LATE_UPWARD" for _, name in sorted(upward - set(late_upward))]
-    found += [f"LATE_UPWARD names {a} -> {b}, which no longer imports it inside a function"
-              for a, b in sorted(set(late_upward)) if a in edges and b not in {n for n, _ in edges[a]["late"]}]
+        return found + [f"__init__.py's map lists {sorted(order)}, the folder holds {sorted(edges)}"]
+    for i, module in enumerate(order):
+        found += [f"{module} imports {name} (line {line}), which the map lists above it"
+                  for name, line in edges[module] if name != "remix" and name not in order[i + 1:]]
+    if bottom is not None and edges.get(bottom):
+        found.append(f"{bottom} imports {edges[bottom][0][0]} (line {edges[bottom][0][1]}): it must import none")
+    if len(pairs(edges)) > max_pairs:
+        found.append(f"{len(pairs(edges))} pairs of modules import one another, more than {max_pairs}")
     return found
 
 
-def test_machinery_imports_point_down_the_map_never_at_remix_and_close_no_circle():
-    assert problems(MACHINERY, LATE_UPWARD) == []
+def test_machinery_imports_point_down_the_map_never_at_remix_close_no_circle_and_join_few_pairs():
+    assert problems(MACHINERY, BOTTOM) == []
 
 
-def test_machinery_has_at_most_18_files_each_at_most_450_lines_opening_with_its_job_in_one_line():
+def test_machinery_is_small_each_file_opening_with_its_job_in_one_line():
     files = sorted(MACHINERY.glob("*.py"))
     assert 0 < len(files) <= MAX_FILES, [f.name for f in files]
     assert not [p for p in MACHINERY.iterdir() if p.is_dir() and p.name != "__pycache__"], "machinery/ has a subfolder"
+    sizes = {path.name: len(path.read_text().splitlines()) for path in files}
+    assert max(sizes.values()) <= MAX_LINES and sum(sizes.values()) <= MAX_TOTAL, sizes
     for path in files:
-        lines = path.read_text().splitlines()
-        assert len(lines) <= MAX_LINES, f"{path.name} is {len(lines)} lines: split it, or move a part to its room"
         doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
         assert doc, f"{path.name} opens with no docstring"
         first, *rest = doc.split("\n")
         assert first.endswith(".") and len('"""' + first) <= 120 and (not rest or not rest[0].strip()), \
             f"{path.name}'s docstring does not open with one line saying its job: {first!r}"
+
+
+def test_the_product_is_at_most_5100_lines():
+    """Every .py file outside tests/, benchmarks/, toy/, test_remix.py and conftest.py."""
+    product = [p for p in ROOT.rglob("*.py") if not {"tests", "benchmarks", "toy", ".venv", ".git"} & set(
+        p.relative_to(ROOT).parts) and p.name not in ("test_remix.py", "conftest.py")]
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in product}
+    assert {"remix.py", "eval.py"} <= set(sizes) and sum(sizes.values()) <= MAX_PRODUCT, sizes
 
 
 def plant(folder: Path, files: dict[str, str]) -> Path:
@@ -151,31 +132,37 @@ def plant(folder: Path, files: dict[str, str]) -> Path:
     return package
 
 
-@pytest.mark.parametrize("files, late, wrong", [
-    ({"top": "from planted import low\n", "low": ""}, {}, None),  # as the map says: nothing wrong
-    ({"top": "", "low": "import remix\n"}, {}, "low imports remix"),
-    ({"top": "", "low": "def f():\n    from remix import train\n"}, {}, "low imports remix"),
-    ({"top": "from planted import low\n", "low": "from planted import top\n"}, {}, "an import circle"),
-    ({"top": "", "low": "from planted import top\n"}, {}, "low imports top at its top"),
-    ({"top": "", "low": "import planted.top\n"}, {}, "low imports top at its top"),
-    ({"top": "", "low": "def f():\n    from planted.top import g\n"}, {}, "low imports top inside a function"),
-    ({"top": "", "low": "def f():\n    from planted import top\n"}, {("low", "top"): "why"}, None),
-    ({"top": "", "low": ""}, {("low", "top"): "why"}, "no longer imports it"),
+@pytest.mark.parametrize("files, wrong", [
+    ({"top": "from planted import low\n", "low": ""}, None),  # as the map says: nothing wrong
+    ({"top": "", "low": "import remix\n"}, "low imports remix"),
+    ({"top": "", "low": "def f():\n    from remix import train\n"}, "low imports remix"),
+    ({"top": "from planted import low\n", "low": "from planted import top\n"}, "an import circle"),
+    ({"top": "", "low": "def f():\n    from planted import top\n"}, "low imports top (line 3), which the map"),
+    ({"top": "", "low": "from planted import top\n"}, "low imports top"),
+    ({"top": "", "low": "import planted.top\n"}, "low imports top"),
+    ({"top": "", "low": "def f():\n    from planted.top import g\n"}, "low imports top"),
+    ({"top": "def f():\n    from planted import low\n", "low": ""}, None),  # inside a function, pointing down
+    ({"top": "", "mid": "from planted import low\n", "low": ""}, "low imports"),  # the bottom must import nothing...
+    ({"top": "from planted import mid, low\n", "mid": "from planted import low\n", "low": "", "x": ""}, "2 pairs"),
 ])
-def test_the_walk_finds_each_planted_fault(tmp_path, files, late, wrong):
-    found = problems(plant(tmp_path, files), late)
+def test_the_walk_finds_each_planted_fault(tmp_path, files, wrong):
+    if wrong == "low imports":  # ...so plant one that does
+        files = {**files, "low": "from planted import x\n", "x": ""}
+        found = problems(plant(tmp_path, files), bottom="low")
+    else:
+        found = problems(plant(tmp_path, files), bottom=None, max_pairs=1 if wrong == "2 pairs" else MAX_PAIRS)
+        wrong = "3 pairs of modules" if wrong == "2 pairs" else wrong
     assert (found == []) if wrong is None else any(wrong in line for line in found), found
 
 
 def test_the_walk_finds_a_module_the_map_leaves_out(tmp_path):
     package = plant(tmp_path, {"top": "", "low": ""})
     (package / "extra.py").write_text('"""extra."""\n')
-    assert any("map lists" in line for line in problems(package, {}))
+    assert any("map lists" in line for line in problems(package))
 
 
 def test_console_imports_no_torch_so_a_signal_while_torch_imports_is_one_line():
-    """remix.py and eval.py import console before torch (console.one_line_interrupts): it must not import torch itself
-    (it holds what messages, progress and signals held, which asked dist for the rank at their tops)."""
+    """remix.py and eval.py import console before torch (console.one_line_interrupts): it must not import torch."""
     import subprocess
     import sys
 

@@ -23,17 +23,19 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
-from machinery import checkpoints, flags, models, paths, runfolder, safeload  # noqa: E402
+from machinery import checkpoints, console, data, models, runfolder  # noqa: E402
 from tests.common import ROOT, one_error_line, read_metrics, refused_in_one_line, run_remix, tiny_cli  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
 # Every loader, found in the source, passes trust_remote_code=False (and loads no pickle)
 # ----------------------------------------------------------------------------------------------
-SOURCES = ["remix.py", "eval.py", *sorted(f"machinery/{p.name}" for p in (ROOT / "machinery").glob("*.py")),
+SOURCES = ["remix.py", "eval.py", "deepscaler.py",
+           *sorted(f"machinery/{p.name}" for p in (ROOT / "machinery").glob("*.py")),
            *sorted(f"toy/{p.name}" for p in (ROOT / "toy").glob("*.py")),
            *sorted(f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py"))]
-USER_FACING = ("remix.py", "eval.py", "machinery/")  # load what a user points at: weights only from safetensors
+USER_FACING = ("remix.py", "eval.py", "deepscaler.py", "machinery/")  # load what a user points at: safetensors only
+LOADERS = ("from_pretrained", "from_config", "LLM")  # and every name starting Auto
 
 
 def loader_calls(path: str):
@@ -47,7 +49,7 @@ def loader_calls(path: str):
         if not isinstance(node, ast.Call):
             continue
         name = name_of(node.func)
-        if name in ("from_pretrained", "from_config", "LLM") or name.startswith("Auto"):
+        if name in LOADERS or name.startswith("Auto"):
             keywords = {}
             for kw in node.keywords:
                 if kw.arg is None:  # **spread
@@ -57,39 +59,66 @@ def loader_calls(path: str):
             yield node.lineno, f"{name_of(node.func.value)}.{name}" if name.startswith("from_") else name, keywords
 
 
+def loader_tokens(path: str) -> list[int]:
+    """The lines of every loader name written right before '(' in the code itself (comments and strings, the
+    docstrings too, are no code): what loader_calls must find, counted by the tokenizer instead of the parser."""
+    import io
+    import tokenize
+
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO((ROOT / path).read_text()).readline)
+              if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
+    return sorted(t.start[0] for before, t, after in zip([None, *tokens], tokens, tokens[1:])
+                  if t.type == tokenize.NAME and after.string == "(" and (t.string in LOADERS or t.string.startswith(
+                      "Auto")) and getattr(before, "string", None) not in ("def", "class"))
+
+
 def test_every_model_config_and_tokenizer_load_refuses_a_folders_code():
     calls = [(path, *call) for path in SOURCES for call in loader_calls(path)]
-    assert len([c for c in calls if c[0].startswith(USER_FACING)]) >= 10, calls  # the finder finds them
+    for path in SOURCES:  # the finder finds every call the source holds
+        assert sorted(line for p, line, _, _ in calls if p == path) == loader_tokens(path), path
+    found = {(path, what) for path, _, what, _ in calls}
+    assert {("machinery/models.py", "cls.from_pretrained"), ("machinery/data.py", "AutoTokenizer.from_pretrained"),
+            ("machinery/data.py", "AutoConfig.from_pretrained"), ("machinery/engines.py", "LLM"),
+            ("machinery/plan.py", "AutoConfig.from_pretrained")} <= found, found  # models.pretrained, load_tokenizer...
+    assert models.NO_CODE == {"trust_remote_code": False, "use_safetensors": True}
     for path, line, what, keywords in calls:
         assert keywords.get("trust_remote_code") is False, f"{path}:{line} {what} lacks trust_remote_code=False"
         if path.startswith(USER_FACING) and what == "LLM":
             assert keywords.get("load_format") == "safetensors", f"{path}:{line} vLLM may load a pickled .bin"
-        elif path.startswith(USER_FACING) and "Model" in what and what.endswith(".from_pretrained"):
+        elif path.startswith(USER_FACING) and what.endswith(".from_pretrained") and \
+                not what.startswith(("AutoConfig.", "AutoTokenizer.")):  # weights (models.pretrained's cls.)
             assert keywords.get("use_safetensors") is True, f"{path}:{line} {what} may load a pickled .bin"
 
 
 # ----------------------------------------------------------------------------------------------
-# A folder whose config asks for its own code: refused in one line, nothing run, whatever stdin says
+# A folder whose config asks for its own code: never run, whatever stdin says
 # ----------------------------------------------------------------------------------------------
 PROMPT = "Do you wish to run the custom code"
+CUSTOM_CODE = "contains custom code which must be executed"  # transformers, where only the folder's code would load it
 
 
-def plant_code(folder: Path, where: str, marker: Path):
-    """evil.py beside the model, which writes marker when imported, and an auto_map to it in config.json (with a
-    model_type transformers does not know) or in tokenizer_config.json (with an unknown tokenizer_class): what
-    makes transformers ask whether to run it."""
+def plant_code(folder: Path, where: str, marker: Path, kind: str = "unknown"):
+    """evil.py beside the model, which writes marker when imported, and an auto_map naming it in config.json or in
+    tokenizer_config.json: what transformers imports where it may run a folder's code. unknown: with a model_type
+    transformers does not know (config.json) or a tokenizer_class it has not (tokenizer_config.json), so that only
+    the folder's code could load it; known: the folder's own type kept, which transformers' own class loads."""
     (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
-                                    "from transformers import PretrainedConfig, PreTrainedTokenizerFast\n"
+                                    "from transformers import PretrainedConfig, PreTrainedModel\n"
+                                    "from transformers import PreTrainedTokenizerFast\n"
                                     "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+                                    "class EvilModel(PreTrainedModel):\n    config_class = EvilConfig\n"
                                     "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
     path = folder / where
     content = json.loads(path.read_text())
     if where.endswith("tokenizer_config.json"):
-        content.update(auto_map={"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]},
-                       tokenizer_class="EvilTokenizer")
+        content.update(auto_map={"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]})
+        if kind == "unknown":
+            content.update(tokenizer_class="EvilTokenizer")
     else:
-        content.update(auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
-                       model_type="evil")
+        content.update(auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel",
+                                 "AutoModelForTokenClassification": "evil.EvilModel"})
+        if kind == "unknown":
+            content.update(model_type="evil")
     path.write_text(json.dumps(content))
 
 
@@ -102,22 +131,41 @@ def run_saying_yes(argv, tmp_path, program):
                           text=True, timeout=300, env=env)
 
 
+def never_ran(done, marker: Path, tmp_path: Path):
+    """The folder's module was never imported, never asked about, never even copied where transformers imports a
+    folder's code from."""
+    assert not marker.exists(), "the folder's code ran"
+    assert PROMPT not in done.stdout + done.stderr
+    assert not list((tmp_path / "modules").rglob("evil*")), list((tmp_path / "modules").rglob("*"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("program", ["remix.py", pytest.param("eval.py", marks=pytest.mark.long)])
 @pytest.mark.parametrize("where", ["config.json", pytest.param("tokenizer_config.json", marks=pytest.mark.long)])
-def test_a_model_folder_asking_to_run_its_code_is_refused_in_one_line_whatever_stdin_says(program, where, tiny_model,
-                                                                                         train_file, tmp_path):
+@pytest.mark.parametrize("kind", ["unknown", "known"])
+def test_a_model_folder_asking_to_run_its_code_never_runs_it_whatever_stdin_says(kind, where, program, tiny_model,
+                                                                                 train_file, tmp_path):
+    """Only where the model's type is one transformers has no class for is the folder refused (transformers' own
+    word, in one line, nothing written); otherwise transformers' own class loads it, and the program does its work."""
     model, out, marker = tmp_path / "model", tmp_path / "out", tmp_path / "RAN"
     shutil.copytree(tiny_model, model)
-    plant_code(model, where, marker)
-    argv = tiny_cli(str(model), train_file, out) if program == "remix.py" else \
-        ["--model", str(model), "--out", str(out), "--limit", "1", "--sampler", "hf"]
+    plant_code(model, where, marker, kind)
+    argv = tiny_cli(str(model), train_file, out, "--steps", "1") if program == "remix.py" else \
+        ["--model", str(model), "--out", str(out), "--limit", "1", "--sampler", "hf", "--benchmarks", "aime24",
+         "--max-tokens", "8"]
     done = run_saying_yes(argv, tmp_path, program)
-    assert not marker.exists(), "the folder's code ran"
-    assert PROMPT not in done.stdout + done.stderr
-    one_error_line(done, f"{model / where}", prog=program.removesuffix(".py"))
-    assert "remix never runs a model folder's code" in done.stderr or "which remix never runs" in done.stderr
-    assert not out.exists()
+    never_ran(done, marker, tmp_path)
+    if kind == "unknown" and where == "config.json":
+        line = one_error_line(done, CUSTOM_CODE, prog=program.removesuffix(".py"))
+        assert f"cannot load model {str(model)!r}" in line, line
+        assert not out.exists()
+    elif program == "remix.py":
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert [r["step"] for r in read_metrics(out)] == [1]
+    else:
+        assert done.returncode == 0, done.stderr[-3000:]
+        samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        assert [s["benchmark"] for s in samples] == ["aime24"]
 
 
 @pytest.fixture(scope="module")
@@ -128,18 +176,51 @@ def two_steps(tiny_model, train_file, tmp_path_factory):
     return two_step_ppo_run(tiny_model, train_file, tmp_path_factory.mktemp("two"), keep_last=2)
 
 
+def rewrite_manifest(folder: Path):
+    """The checkpoint's manifest.json rewritten to match the folder as it is now, as whoever edited it could."""
+    import hashlib
+
+    path = folder / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"] = {str(p.relative_to(folder)): {"size": p.stat().st_size,
+                                                      "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                         for p in sorted(folder.rglob("*")) if p.is_file() and p != path}
+    path.write_text(json.dumps(manifest))
+
+
 @pytest.mark.long
 @pytest.mark.slow
+@pytest.mark.parametrize("manifest", ["as-saved", "rewritten-to-match"])
 @pytest.mark.parametrize("where", ["checkpoint-2/config.json", "checkpoint-2/tokenizer_config.json",
                                    "checkpoint-2/critic/config.json"])
-def test_a_checkpoint_edited_to_run_its_code_is_refused_on_resume(where, two_steps, tmp_path):
+def test_a_checkpoint_edited_to_run_its_code_never_runs_it_on_resume(where, manifest, two_steps, tmp_path):
+    """Its manifest's digests name the edit, and the run is left as it was (no earlier checkpoint holds a training
+    state). With the manifest rewritten to match, the loaders themselves never run the code: a type only the code
+    could load is transformers' one line (nothing written); a tokenizer class it has not is loaded by its own."""
     out, marker = tmp_path / "run", tmp_path / "RAN"
     shutil.copytree(two_steps, out)
-    plant_code((out / where).parent, Path(where).name, marker)
+    checkpoint, folder = out / "checkpoint-2", (out / where).parent
+    plant_code(folder, Path(where).name, marker)
+    if manifest == "rewritten-to-match":
+        rewrite_manifest(checkpoint)
+        assert checkpoints.verify(str(checkpoint)) is None
+    before = snapshot(out)
     done = run_saying_yes(["--resume", str(out), "--steps", "3"], tmp_path, "remix.py")
-    assert not marker.exists() and PROMPT not in done.stdout + done.stderr
-    one_error_line(done, f"{out / where} has ")
-    assert [r["step"] for r in read_metrics(out)] == [1, 2] and not (out / "checkpoint-3").exists()
+    never_ran(done, marker, tmp_path)
+    edit = f"{out / where} differs from what was saved (its size or SHA-256 against manifest.json): damaged or edited"
+    if manifest == "as-saved":
+        line = one_error_line(done, "no earlier checkpoint holds a training state")
+        assert edit in line or f"{folder / 'evil.py'} is not one of the files the checkpoint was saved with" in line
+        assert snapshot(out) == before
+        (folder / "evil.py").unlink()  # the edit alone: named by its digest
+        assert checkpoints.verify(str(checkpoint)) == edit
+    elif where.endswith("tokenizer_config.json"):
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    else:
+        line = one_error_line(done, CUSTOM_CODE)
+        assert f"cannot load model {str(folder)!r}" in line, line
+        assert snapshot(out) == before
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,6 +254,15 @@ def pickled_only(folder: Path):
     (folder / "model.safetensors").unlink()
 
 
+def pickled_by_an_index(folder: Path):
+    """The weights a pickle that an index names, beside a stray safetensors file: transformers would load the pickle,
+    safetensors asked for or not."""
+    pickled_only(folder)
+    (folder / "unused.safetensors").write_bytes(b"")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "lm_head.weight": "pytorch_model.bin"}}))
+
+
 def more_tokens_than_rows(folder: Path):
     from transformers import AutoTokenizer
 
@@ -181,40 +271,46 @@ def more_tokens_than_rows(folder: Path):
     tokenizer.save_pretrained(folder)
 
 
-BAD_FOLDERS = {
+DISAGREE = ": the config and weights disagree"
+TOKENIZER = "its tokenizer cannot be read (tokenizer.json, tokenizer_config.json) ("
+BAD_FOLDERS = {  # what models.pretrained (transformers' loading report) or data.load_tokenizer says
     "intermediate-size": (lambda f: edit_json(f / "config.json", intermediate_size=300),
-                          "makes model.layers.0.mlp.gate_proj.weight [300, 128], its weights hold [256, 128]"),
+                          "config.json makes model.layers.0.mlp.down_proj.weight [128, 300], its weights hold "
+                          "[128, 256]" + DISAGREE),
     "weight-left-out": (lambda f: edit_weights(f, lambda w: w.pop("model.norm.weight")),
-                        "its weights hold none: the config and weights disagree (a weight left out would start at "
-                        "random)"),
+                        "its weights lack model.norm.weight (it would start at random)" + DISAGREE),
     "weight-too-many": (lambda f: edit_weights(f, lambda w: w.update({"model.extra.weight": torch.zeros(2)})),
-                        "weights hold model.extra.weight, which the model its config.json describes does not have"),
+                        "its weights hold model.extra.weight, which the model its config.json describes does not "
+                        "have" + DISAGREE),
     "pickle-only": (pickled_only, "holds its weights as pytorch_model.bin, a pickle (loading one can run code), and no "
                                   "*.safetensors: remix never unpickles a model; convert it to safetensors"),
+    "pickle-named-by-an-index": (pickled_by_an_index, "its model.safetensors.index.json names pytorch_model.bin, "
+                                                      "not a safetensors file; remix reads weights from safetensors"),
     "no-tokenizer": (lambda f: [(f / name).unlink() for name in ("tokenizer.json", "tokenizer_config.json",
                                                                   "chat_template.jinja")],
                      "holds no usable tokenizer (it turns text into no tokens"),
     "more-tokens-than-rows": (more_tokens_than_rows, "tokenizer has 264 tokens and the model's embedding 259 rows"),
-    # what transformers itself raises on a folder (a traceback before): one line naming the file
+    # what transformers itself raises on a folder (a traceback before): one line with its reason
     "one-layer-more-than-the-weights": (lambda f: edit_json(f / "config.json", num_hidden_layers=3),
-                                        "config.json does not describe a model (ValueError: `num_hidden_layers` (3) "
-                                        "must be equal to the number of `layer_types` (2))"),
+                                        "(ValueError: `num_hidden_layers` (3) must be equal to the number of "
+                                        "`layer_types` (2))"),
     "a-size-of-another-type": (lambda f: edit_json(f / "config.json", hidden_size="128"),
-                               "config.json does not describe a model (TypeError: Field 'hidden_size' expected int"),
+                               "(TypeError: Field 'hidden_size' expected int, got str (value: '128'))"),
     "a-negative-size": (lambda f: edit_json(f / "config.json", intermediate_size=-1),
-                        "config.json does not describe a model (RuntimeError: Trying to create tensor with negative "
-                        "dimension -1"),
+                        "RuntimeError: Trying to create tensor with negative dimension -1: [-1, 128]"),
     "no-key-value-heads": (lambda f: edit_json(f / "config.json", num_key_value_heads=0),
-                           "config.json does not describe a model (ZeroDivisionError"),
+                           "ZeroDivisionError: integer division or modulo by zero"),
     "tokenizer-json-not-json": (lambda f: (f / "tokenizer.json").write_text('{"version": "1.0", '),
-                                "tokenizer.json cannot be read as the model's tokenizer (JSONDecodeError"),
+                                TOKENIZER + "JSONDecodeError: Expecting property name enclosed in double quotes"),
     "tokenizer-json-of-an-unknown-model": (lambda f: edit_json(f / "tokenizer.json", model={"type": "Nope"}),
-                                           "tokenizer.json cannot be read as the model's tokenizer (Exception: data "
-                                           "did not match any variant"),
+                                           TOKENIZER + "Exception: data did not match any variant of untagged enum "
+                                                       "ModelUntagged"),
     "a-tokenizer-length-of-another-type": (lambda f: edit_json(f / "tokenizer_config.json", model_max_length="lots"),
-                                           "tokenizer_config.json cannot be read as the model's tokenizer (TypeError"),
+                                           TOKENIZER + "TypeError: '>' not supported between instances of 'int' and "
+                                                       "'str')"),
     "a-truncated-safetensors-header": (lambda f: (f / "model.safetensors").write_bytes(
-        (f / "model.safetensors").read_bytes()[:40]), "model.safetensors is damaged (SafetensorError"),
+        (f / "model.safetensors").read_bytes()[:40]),
+        "SafetensorError: Error while deserializing header: invalid header length"),
 }
 
 
@@ -291,19 +387,24 @@ def test_a_hub_model_with_pickled_weights_only_is_one_line_before_anything_is_wr
 
 
 def test_a_vocabulary_padded_past_the_tokenizer_loads(tiny_model, tmp_path):
-    """Fewer tokens than embedding rows, as Qwen pads its vocabulary to a multiple of 64: accepted."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from machinery import runner
+    """Fewer tokens than embedding rows, as Qwen pads its vocabulary to a multiple of 64: the tokenizer and the
+    weights are accepted as they are (data.load_tokenizer and models.pretrained, as remix.py and eval.py load them;
+    the padded rows kept)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     config = Qwen2Config.from_pretrained(model)
     config.vocab_size = 320
     Qwen2ForCausalLM(config).save_pretrained(model)
-    params, vocab = safeload.check_model_folder(str(model))
-    assert vocab == 320 and params["model.embed_tokens.weight"] == (320, 128)
-    assert len(runner.load_tokenizer(str(model))) == 259
+    with safe_open(str(model / "model.safetensors"), "pt") as f:  # what the folder holds, read by safetensors itself
+        rows = f.get_slice("model.embed_tokens.weight").get_shape()
+    assert rows == [320, 128]
+    tokenizer = data.load_tokenizer(str(model))
+    assert len(tokenizer) == 259
+    loaded = models.pretrained(AutoModelForCausalLM, str(model), torch.float32)
+    assert list(loaded.get_input_embeddings().weight.shape) == rows and loaded.config.vocab_size == 320
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,7 +420,7 @@ def resume_refused(capsys, out: Path, message: str, **given):
     before = snapshot(out)
     try:
         with pytest.raises(SystemExit) as exit_info:
-            remix.train(flags.settings(remix.Args, resume=str(out), **given))
+            remix.train(console.settings(remix.Args, resume=str(out), **given))
     finally:
         runfolder.unlock()  # the folder is locked by this process until it ends; the resume after is another
     err = capsys.readouterr().err.strip().splitlines()
@@ -359,28 +460,29 @@ def test_a_resume_takes_the_new_place_of_a_moved_model_and_dataset_and_continues
 
     build_tiny_model(str(wider), hidden_size=64)
     capsys.readouterr()  # its save's progress bar
-    resume_refused(capsys, out, f"--model {wider} is not where the run's model {base} moved to (its weights have "
-                                f"other names or shapes", steps=4, model=str(wider), dataset=str(moved_data))
+    resume_refused(capsys, out, f"--model {wider} is not where the run's model {base} moved to (its config.json has "
+                                f"another hidden_size); give the new place of the same one", steps=4, model=str(wider),
+                   dataset=str(moved_data))
     done = run_remix("--resume", str(out), "--steps", "4", "--model", str(moved_base), "--dataset", str(moved_data))
     assert done.returncode == 0 and "ignored" not in done.stdout + done.stderr, done.stderr[-3000:]
     resumed = read_metrics(out)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [comparable(r) for r in read_metrics(straight)] == \
         [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in resumed]
-    saved = safeload.read_pt(str(out / "checkpoint-4" / "trainer_state.pt"))["args"]["run"]
+    saved = checkpoints.read_pt(str(out / "checkpoint-4" / "trainer_state.pt"))["args"]["run"]
     assert (saved["model"], saved["dataset"]) == (str(moved_base), str(moved_data))  # the next resume needs no flag
 
 
 def test_a_flag_typed_at_its_default_value_on_a_resume_is_named_as_ignored(tmp_path, monkeypatch, capsys):
-    saved = dataclasses.asdict(flags.settings(remix.Args, steps=2, kl_beta=0.01, out=str(tmp_path)))
+    saved = dataclasses.asdict(console.settings(remix.Args, steps=2, kl_beta=0.01, out=str(tmp_path)))
     monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--kl-beta", str(remix.Args.kl_beta),
                                       "--no-reincarnation"])
-    resumed = checkpoints.resume_args(flags.settings(remix.Args, resume=str(tmp_path), reincarnation=False), saved, 2)
+    resumed = checkpoints.resume_args(console.settings(remix.Args, resume=str(tmp_path), reincarnation=False), saved, 2)
     assert resumed.kl_beta == 0.01 and resumed.reincarnation is True
     out = capsys.readouterr().out
     assert "ignored: --reincarnation, --kl-beta" in out, out
     monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--kl-beta", "0.01"])  # the saved value
-    checkpoints.resume_args(flags.settings(remix.Args, resume=str(tmp_path), kl_beta=0.01), saved, 2)
+    checkpoints.resume_args(console.settings(remix.Args, resume=str(tmp_path), kl_beta=0.01), saved, 2)
     assert "ignored" not in capsys.readouterr().out
 
 
@@ -442,11 +544,11 @@ def test_a_dataset_edited_in_place_is_named_on_resume_and_goes_on_only_when_aske
                                     f"(another SHA-256 than it recorded); put back (or give the place of) the data the "
                                     f"run began with, or pass --resume-changed-data", steps=2)
         try:
-            remix.train(flags.settings(remix.Args, resume=str(out), steps=2, resume_changed_data=True))
+            remix.train(console.settings(remix.Args, resume=str(out), steps=2, resume_changed_data=True))
         finally:
             runfolder.unlock()
         assert "going on with it as it is now (--resume-changed-data)" in capsys.readouterr().out
-        state = safeload.read_pt(str(out / "checkpoint-2" / "trainer_state.pt"))
+        state = checkpoints.read_pt(str(out / "checkpoint-2" / "trainer_state.pt"))
         assert state["inputs"]["dataset"] == hashlib.sha256(recorded.data.read_bytes()).hexdigest()  # from now on
 
 
@@ -505,23 +607,26 @@ def test_a_moved_model_with_other_weights_is_refused_on_resume_naming_the_file(r
 def test_the_base_model_is_checked_by_its_recorded_digests_moved_or_in_place(recorded, tmp_path, capsys):
     """The same weights moved pass (hashed, since they moved); weights changed in place are refused; a file touched
     but not changed passes (hashed again, since its time changed)."""
-    from machinery import paths
-
     out = copy_of(recorded.out, tmp_path)
-    state = safeload.read_pt(str(out / "checkpoint-1" / "trainer_state.pt"))
+    state = checkpoints.read_pt(str(out / "checkpoint-1" / "trainer_state.pt"))
     weights = state["inputs"]["model"]
     assert set(weights["files"]) == {"model.safetensors"} and weights["revision"] is None
     moved = tmp_path / "moved"
     shutil.copytree(recorded.base, moved)
-    saved = flags.from_saved(state["args"])
-    args = flags.settings(remix.Args, **{**saved, "model": str(moved), "resume": str(out)})
-    paths.check_resumed(args, saved, state["inputs"], str(out / "checkpoint-1"))  # no SystemExit
+    saved = {**state["args"]["method"], **state["args"]["run"]}
+    args = console.settings(remix.Args, **{**saved, "model": str(moved), "resume": str(out)})
+    data.check_resumed(args, saved, state["inputs"], str(out / "checkpoint-1"))  # no SystemExit
     weights_file = recorded.base / "model.safetensors"
     os.utime(weights_file)
-    assert paths.model_changed(str(recorded.base), weights) is None
+    assert data.model_changed(str(recorded.base), weights, str(out / "checkpoint-1")) is None
     with edited(weights_file, lambda raw: raw[:-4] + bytes(4)):  # the last weight's last value zeroed
         resume_refused(capsys, out, f"the run's model {recorded.base} is not what the run began with (its "
                                     f"model.safetensors differs (another SHA-256))", steps=2)
+    config = recorded.base / "config.json"  # the same weights under another config: the KL reference would differ
+    with edited(config, lambda raw: raw.replace(b'"rms_norm_eps": 1e-06', b'"rms_norm_eps": 0.5')):
+        assert b'"rms_norm_eps": 0.5' in config.read_bytes()
+        resume_refused(capsys, out, f"the run's model {recorded.base} is not what the run began with (its "
+                                    f"config.json has another rms_norm_eps)", steps=2)
 
 
 def fake_hub_model(cache: Path, repo: str, source: Path, commit: str) -> Path:
@@ -549,23 +654,21 @@ def test_a_hub_model_is_recorded_by_its_cached_revision_and_blob_digests(tiny_mo
 
     import huggingface_hub.constants
 
-    from machinery import paths
-
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     first, second = "a" * 40, "b" * 40
     fake_hub_model(tmp_path / "hub", "org/tiny", Path(tiny_model), first)
-    monkeypatch.setattr(paths, "file_digest", lambda path: pytest.fail(f"{path} hashed"))
-    weights = paths.model_record("org/tiny")
+    monkeypatch.setattr(data, "file_digest", lambda path: pytest.fail(f"{path} hashed"))
+    weights = data.model_record("org/tiny")
     digest = hashlib.sha256((Path(tiny_model) / "model.safetensors").read_bytes()).hexdigest()
     assert weights == {"revision": first, "files": {"model.safetensors": {
         "sha256": digest, "size": (Path(tiny_model) / "model.safetensors").stat().st_size, "mtime_ns": None}}}
-    assert paths.model_changed("org/tiny", weights) is None
+    assert data.model_changed("org/tiny", weights, None) is None
     fake_hub_model(tmp_path / "hub", "org/tiny", with_weight_changed(Path(tiny_model), tmp_path / "newer"), second)
-    assert paths.model_changed("org/tiny", weights) == \
+    assert data.model_changed("org/tiny", weights, None) == \
         f"the local cache holds its revision {second[:12]}, the run began on {first[:12]}"
     monkeypatch.undo()
-    assert paths.weights_differ(tiny_model, weights, moved=True) is None  # the same weights, moved to a folder
-    assert paths.weights_differ(str(tmp_path / "newer"), weights, moved=True) == \
+    assert data.weights_differ(tiny_model, weights, moved=True) is None  # the same weights, moved to a folder
+    assert data.weights_differ(str(tmp_path / "newer"), weights, moved=True) == \
         "its model.safetensors differs (another SHA-256)"
 
 
@@ -604,7 +707,7 @@ def test_a_hub_dataset_is_checked_by_the_revision_it_began_on(tiny_model, train_
                               prompts_per_step=4, max_response_tokens=8))
     finally:
         runfolder.unlock()
-    state = safeload.read_pt(str(out / "checkpoint-1" / "trainer_state.pt"))
+    state = checkpoints.read_pt(str(out / "checkpoint-1" / "trainer_state.pt"))
     assert (state["inputs"]["dataset"], state["inputs"]["dataset_revision"]) == (None, first)
     edited_rows = tmp_path / "edited.jsonl"
     edited_rows.write_bytes(first_answer_changed(Path(train_file).read_bytes()))

@@ -6,6 +6,7 @@ a run that cannot fit stops in one line with nothing written (the free space pat
     pytest -q tests/test_plan.py
 """
 
+import collections
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import remix  # noqa: E402
-from machinery import flags, plan, runfolder, runner, safeload  # noqa: E402
+from machinery import console, data, plan, runfolder, runner  # noqa: E402
 from tests.common import ROOT, full_state, read_metrics, tiny_args  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
@@ -28,7 +29,7 @@ R1_15B = str(CONFIGS / "deepseek-r1-distill-qwen-1.5b.json")
 
 def paper_args(**changes):
     """The defaults of a GPU run (bf16, checkpointing), as remix.finalize_args fills them on a GPU."""
-    args = remix.finalize_args(flags.settings(remix.Args, **changes))
+    args = remix.finalize_args(console.settings(remix.Args, **changes))
     args.precision = "bf16"
     return args
 
@@ -180,7 +181,8 @@ def test_a_close_run_is_warned_about_and_goes_on_and_its_plan_is_kept(tiny_model
     try:
         printed = capsys.readouterr().out
         assert "remix: warning: disk is close" in printed and "(95%)" in printed, printed
-        assert "remix: plan: checkpoints:" in printed
+        assert "remix: plan: checkpoints:" in printed and not out.exists()  # checked before anything is written
+        session.start(*remix.models.load(args), [], collections.deque(), None)  # the run goes on: --out written
         kept = json.loads((out / "plan.json").read_text())
         assert kept["disk"]["peak"] == need and kept["rows"][0][0] == "disk"
         assert session.plan["disk"]["peak"] == need
@@ -197,10 +199,10 @@ def test_a_gpu_that_cannot_hold_the_run_names_offload(tiny_model, train_file, tm
         if name.startswith(("tokenizer", "chat_template", "special_tokens")):
             (folder / name).write_bytes((Path(tiny_model) / name).read_bytes())
     (folder / "config.json").write_text(Path(R1_15B).read_text())
-    monkeypatch.setattr(safeload, "check_model_folder", lambda folder: None)  # a config without its 3 GB of weights
     monkeypatch.setattr(plan, "device_memory", lambda: (40e9, 40e9))  # (free, total)
     monkeypatch.setattr(plan, "free_bytes", lambda path: 1e15)
     monkeypatch.setattr(plan, "host_available", lambda: 1e12)
+    monkeypatch.setattr(data, "check_weight_files", lambda *args: None)  # a config without weights: the plan reads no more
     with pytest.raises(SystemExit):
         remix.train(tiny_args(str(folder), train_file, tmp_path / "run", algo="ppo", precision="bf16",
                               sampler="vllm"))
@@ -232,7 +234,7 @@ def test_the_machine_is_read_for_what_is_free(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dist, "all_gather", lambda obj: [(50e9, 80e9), obj, (45e9, 80e9)])
     monkeypatch.setattr(plan, "device_memory", lambda: (30e9, 80e9))
-    assert plan.readings(flags.settings(remix.Args, out=str(tmp_path / "out")))["device"] == (30e9, 80e9)
+    assert plan.readings(console.settings(remix.Args, out=str(tmp_path / "out")))["device"] == (30e9, 80e9)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,7 +333,7 @@ def test_the_kv_cache_the_plan_counts_is_a_real_generates(kind, tiny_model, tmp_
     that cat."""
     from transformers import AutoModelForCausalLM
 
-    from machinery import engines, models
+    from machinery import models
 
     source = sliding_model(tmp_path / "sliding") if kind == "sliding" else tiny_model
     shape = plan.shape_of(source)
@@ -350,7 +352,7 @@ def test_the_kv_cache_the_plan_counts_is_a_real_generates(kind, tiny_model, tmp_
     rows, positions = len(prompts) * n, 7 + new - 1
     assert out.sequences.shape == (rows, positions + 1) and all(layer.keys.dtype == model.dtype for layer in layers)
     position = 2 * shape.kv * b * rows  # one position of one layer, keys and values
-    assert engines.hf_cache(shape, rows, positions, b) == measured + position * positions + \
+    assert plan.hf_cache(shape, rows, positions, b) == measured + position * positions + \
         shape.windowed_layers * position
 
 
@@ -362,7 +364,7 @@ def test_the_plan_counts_the_batches_a_run_uses(tiny_model, train_file, tmp_path
     16,384-token flag (issue 43's bound)."""
     from transformers import GenerationMixin
 
-    from machinery import data, dist, engines
+    from machinery import data, dist
 
     calls, micro, generate, cut = [], [], GenerationMixin.generate, dist.micro_batches
 
@@ -388,12 +390,12 @@ def test_the_plan_counts_the_batches_a_run_uses(tiny_model, train_file, tmp_path
     shape, finalized = plan.shape_of(tiny_model), remix.finalize_args(args)
     session = json.loads((tmp_path / "run" / "plan.json").read_text())
     lengths = plan.Lengths(eval_prompt=session["lengths"]["eval_prompt"], eval_problems=2)
-    assert engines.sampler_cache(shape, finalized, 1, 4, lengths) == max(
-        engines.hf_generation(shape, 6, args.max_prompt_tokens, 24, 4),
-        engines.hf_generation(shape, 2, lengths.eval_prompt, 8, 4))
-    tokenizer = runner.load_tokenizer(tiny_model)
+    assert plan.sampler_cache(shape, finalized, 1, 4, lengths) == max(
+        plan.hf_generation(shape, 6, args.max_prompt_tokens, 24, 4),
+        plan.hf_generation(shape, 2, lengths.eval_prompt, 8, 4))
+    tokenizer = data.load_tokenizer(tiny_model)
     problems = [(json.loads(line)["problem"], "") for line in open(train_file)]
-    longest = data.longest_prompt(problems, lambda p: remix.build_prompt(tokenizer, p), args.max_prompt_tokens)
+    longest = runner.longest_prompt(problems, lambda p: remix.build_prompt(tokenizer, p), args.max_prompt_tokens)
     tokens, width = plan.micro_batch(finalized, 1, longest)
     assert micro and max(micro) <= tokens == 4 * 2 * width < 16384, (micro, tokens)
 

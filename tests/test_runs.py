@@ -27,9 +27,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a script, under torchrun
 
 import remix  # noqa: E402
-from machinery import checkpoints, console, data, dist, engines, evaluation, flags, grader, models, runner  # noqa: E402
+from machinery import checkpoints, console, data, dist, engines, grader, models, report, runner  # noqa: E402
 from test_remix import prepared_update_case, run_update  # noqa: E402
-from tests.common import DATA, ROOT, full_state, read_metrics, tiny_args, wait_into_step_3  # noqa: E402
+from tests.common import DATA, ROOT, full_state, load_problems, read_metrics, tiny_args, wait_into_step_3  # noqa: E402
 
 HERE = ROOT
 
@@ -147,7 +147,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(sampler, tiny_model, 
 def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as exit_info:
-        remix.train(flags.settings(remix.Args, resume=str(tmp_path / "empty")))
+        remix.train(console.settings(remix.Args, resume=str(tmp_path / "empty")))
     assert exit_info.value.code == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
 
@@ -189,17 +189,17 @@ def test_a_resume_by_another_method_or_with_an_unknown_saved_flag_is_one_line(ca
     and sha256 starts) unless --resume-other-method; a saved flag the resuming Args lacks is refused naming it and
     its value, with that flag too; the same method, and a run from before the record, pass."""
     mine, theirs = {"file": "remix.py", "sha256": "a" * 64}, {"file": "remix_mine.py", "sha256": "b" * 64}
-    saved, args = dataclasses.asdict(flags.settings(remix.Args)), flags.settings(remix.Args, resume="runs/x")
+    saved, args = dataclasses.asdict(console.settings(remix.Args)), console.settings(remix.Args, resume="runs/x")
     one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"method": theirs, "args": saved}, mine),
                   "was written by remix_mine.py (sha256 bbbbbbbbbbbb), not by remix.py (sha256 aaaaaaaaaaaa): "
                   "resume it with remix_mine.py; or pass --resume-other-method")
     one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"method": {**mine, "sha256": "c" * 64},
                                                                   "args": saved}, mine), "another version of it")
-    other = flags.settings(remix.Args, resume="runs/x", resume_other_method=True)
+    other = console.settings(remix.Args, resume="runs/x", resume_other_method=True)
     checkpoints.check_writer(other, {"method": theirs, "args": saved}, mine)
     checkpoints.check_writer(args, {"method": mine, "args": saved}, mine)
-    checkpoints.check_writer(args, {"args": saved}, mine)
-    assert "does not record which method wrote it" in capsys.readouterr().out
+    one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"args": saved}, mine),
+                  "the run's record of the method that wrote it is damaged (None)")
     for who in (args, other):
         one_line_exit(capsys, lambda: checkpoints.check_writer(who, {"method": mine, "args": {**saved, "clip_eps_high":
                                                                                               0.28}}, mine),
@@ -214,25 +214,25 @@ def test_datasets_load_from_parquet_and_json_lists_and_name_what_is_wrong(tmp_pa
     (tmp_path / "d.json").write_text(json.dumps(rows))
     (tmp_path / "bad.json").write_text("[{\"problem\": 1,")
     for name in ("d.parquet", "d.json"):
-        assert data.load_problems(str(tmp_path / name), "problem", "answer") == [("1+1?", "2"), ("2+2?", "4")]
-    one_line_exit(capsys, lambda: data.load_problems(str(tmp_path / "bad.json"), "problem", "answer"),
+        assert load_problems(str(tmp_path / name), "problem", "answer") == [("1+1?", "2"), ("2+2?", "4")]
+    one_line_exit(capsys, lambda: load_problems(str(tmp_path / "bad.json"), "problem", "answer"),
                   "is not valid JSON")
-    one_line_exit(capsys, lambda: data.first_fitting_prompt([("a long problem", "1")], lambda text: [0] * len(text), 3),
+    one_line_exit(capsys, lambda: runner.first_fitting_prompt([("a long problem", "1")], lambda text: [0] * len(text), 3),
                   "every prompt is longer than --max-prompt-tokens 3")
 
 
 def test_resume_refusals_get_one_line(tmp_path, capsys):
     one_line_exit(capsys, lambda: checkpoints.latest(str(tmp_path / "nowhere")), "no such run folder")
-    args = flags.settings(remix.Args, resume=str(tmp_path), steps=3)
-    one_line_exit(capsys, lambda: checkpoints.resume_args(args, dataclasses.asdict(flags.settings(remix.Args)), 5),
+    args = console.settings(remix.Args, resume=str(tmp_path), steps=3)
+    one_line_exit(capsys, lambda: checkpoints.resume_args(args, dataclasses.asdict(console.settings(remix.Args)), 5),
                   "the run has finished 5 steps, more than --steps 3")
 
 
 def test_resume_steps_given_at_the_default_value_still_extend_the_run(tmp_path, monkeypatch):
     """--resume OUT --steps 350 after a 2-step run extends it to 350, though 350 is --steps' default; without
     --steps the saved 2 stands."""
-    saved = dataclasses.asdict(flags.settings(remix.Args, steps=2, out=str(tmp_path)))
-    args = flags.settings(remix.Args, resume=str(tmp_path))
+    saved = dataclasses.asdict(console.settings(remix.Args, steps=2, out=str(tmp_path)))
+    args = console.settings(remix.Args, resume=str(tmp_path))
     monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path), "--steps", str(remix.Args.steps)])
     assert checkpoints.resume_args(args, saved, 2).steps == remix.Args.steps
     monkeypatch.setattr(sys, "argv", ["remix.py", "--resume", str(tmp_path)])
@@ -241,18 +241,18 @@ def test_resume_steps_given_at_the_default_value_still_extend_the_run(tmp_path, 
 
 def test_a_model_folder_without_a_model_and_a_missing_vllm_get_one_line(tmp_path, capsys, monkeypatch):
     dist.init()
-    one_line_exit(capsys, lambda: models.load(remix.finalize_args(flags.settings(remix.Args, model=str(tmp_path)))),
+    one_line_exit(capsys, lambda: models.load(remix.finalize_args(console.settings(remix.Args, model=str(tmp_path)))),
                   f"cannot load model {str(tmp_path)!r}")
-    one_line_exit(capsys, lambda: runner.load_tokenizer(str(tmp_path)), f"cannot load model {str(tmp_path)!r}")
+    one_line_exit(capsys, lambda: data.load_tokenizer(str(tmp_path)), f"cannot load model {str(tmp_path)!r}")
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
-    one_line_exit(capsys, lambda: engines.start(remix.finalize_args(flags.settings(remix.Args))),
+    one_line_exit(capsys, lambda: engines.start(remix.finalize_args(console.settings(remix.Args))),
                   "vLLM is not installed")
 
 
 def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
     """Python drops an exception raised in a __del__ and reports it to sys.unraisablehook: the hook stays quiet
     about the interrupt, the flag remembers it, and the loop's next check raises it."""
-    monkeypatch.setattr(console, "_interrupt", {"seen": None})
+    monkeypatch.setattr(console, "_state", {**console._state, "seen": None})
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -265,7 +265,7 @@ def test_an_interrupt_swallowed_by_a_finaliser_still_stops_the_run(monkeypatch):
                 signal.raise_signal(signal.SIGINT)
 
         Finaliser()  # the SIGINT lands in __del__: its KeyboardInterrupt is dropped
-        assert console.interrupted() and reported == []
+        assert console.seen() == signal.SIGINT and reported == []
         with pytest.raises(KeyboardInterrupt):
             console.check_interrupted()
         sys.unraisablehook(types.SimpleNamespace(exc_value=ValueError("other")))
@@ -308,7 +308,7 @@ def test_math_reward_never_hangs_or_raises(response):
     included) when the previous input's timeout killed the last one."""
 
     start = time.perf_counter()
-    assert evaluation.math_reward(remix.METHOD, response, "1") == 0.0
+    assert report.math_reward(remix.METHOD, response, "1") == 0.0
     assert time.perf_counter() - start < 10.0
 
 
@@ -389,8 +389,8 @@ def test_one_non_finite_update_is_skipped_and_the_run_carries_on_with_finite_wei
 # ----------------------------------------------------------------------------------------------
 # The grader from any caller; a checkpoint that cannot be written
 # ----------------------------------------------------------------------------------------------
-GRADE = ("import sys, time; sys.path.insert(0, {here!r}); import remix; from machinery import evaluation; "
-         "start = time.perf_counter(); reward = lambda r: evaluation.math_reward(remix.METHOD, r, '2'); "
+GRADE = ("import sys, time; sys.path.insert(0, {here!r}); import remix; from machinery import report; "
+         "start = time.perf_counter(); reward = lambda r: report.math_reward(remix.METHOD, r, '2'); "
          "print(reward('so \\\\boxed{{2}}'), reward('\\\\boxed{{3}}'), "
          "round(time.perf_counter() - start, 1))")
 
@@ -422,33 +422,36 @@ def test_a_worker_killed_mid_task_is_replaced_and_its_item_fails_as_a_timeout_do
     that item gets the timeout's answer at once, the others their results, and the pool serves the next call."""
     import threading
 
-    (tmp_path / "sleeper.py").write_text("import time\ndef nap(x):\n    time.sleep(x)\n    return x\n")
+    (tmp_path / "sleeper.py").write_text(
+        "import os, time\ndef nap(x, where):\n    with open(os.path.join(where, str(x)), 'w') as f:\n"
+        "        f.write(str(os.getpid()))\n    time.sleep(x)\n    return x\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     import sleeper
 
-    killed = []
+    killed, marks = [], tmp_path / "pids"
+    marks.mkdir()
 
-    def kill_the_long_task():
+    def kill_the_long_task():  # the worker that took the 60 s task says its pid there
         deadline = time.time() + 60
         while time.time() < deadline and not killed:
-            for worker in list(grader._pool):
-                if worker.task == 0 and worker.ready:
-                    time.sleep(0.5)  # inside time.sleep(60) by now
-                    os.kill(worker.proc.pid, signal.SIGKILL)
-                    killed.append(worker.proc.pid)
-                    break
+            if (marks / "60").exists() and (marks / "60").read_text():
+                time.sleep(0.5)  # inside time.sleep(60) by now
+                killed.append(int((marks / "60").read_text()))
+                os.kill(killed[0], signal.SIGKILL)
             time.sleep(0.05)
 
     grader.close_pool()
     killer = threading.Thread(target=kill_the_long_task)
     killer.start()
     start = time.perf_counter()
-    answers = grader.map_with_deadline(sleeper.nap, [(60,), (0.1,), (0.2,)], 2, 120.0, "timeout")
+    answers = grader.map_with_deadline(sleeper.nap, [(60, str(marks)), (0.1, str(marks)), (0.2, str(marks))], 2, 120.0,
+                                       "timeout")
     elapsed = time.perf_counter() - start
     killer.join()
     assert killed and answers == ["timeout", 0.1, 0.2] and elapsed < 30, (killed, answers, elapsed)
-    assert all(w.proc.poll() is None for w in grader._pool) and killed[0] not in [w.proc.pid for w in grader._pool]
-    assert grader.map_with_deadline(sleeper.nap, [(0.1,), (0.1,)], 2, 60.0, "timeout") == [0.1, 0.1]
+    assert grader.map_with_deadline(sleeper.nap, [(0.1, str(marks)), (0.3, str(marks))], 2, 60.0, "timeout") == \
+        [0.1, 0.3]
+    assert killed[0] not in {int((marks / name).read_text()) for name in ("0.1", "0.3")}  # a new worker took over
     grader.close_pool()
 
 
@@ -490,7 +493,7 @@ def test_workers_run_each_function_from_its_own_file_whatever_its_modules_name(t
     for _ in range(2):  # the second round in workers that have imported all three
         assert [grader.map_with_deadline(fn, [(1,)], 2, 20.0, None)[0] for fn in functions] == \
             [("a/remix.py", 1), ("b/remix.py", 1), ("b/remix_mine.py", 1)]
-    assert grader.resolve(grader.reference(remix.final_answer)) is not remix.final_answer  # by file: its own copy
+    assert grader.resolve(grader.reference(remix.final_answer)) is remix.final_answer  # this process's, from that file
     assert grader.resolve(grader.reference(remix.final_answer))("\\boxed{7}") == "7"
     grader.close_pool()
 
@@ -498,9 +501,9 @@ def test_workers_run_each_function_from_its_own_file_whatever_its_modules_name(t
 @pytest.mark.slow
 def test_worker_pool_runs_the_function_it_is_given():
     """Workers outlive a call; a call with another function must not get the old function's answers."""
-    assert evaluation.grade_many(remix.METHOD, [("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
+    assert report.grade_many(remix.METHOD, [("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
     assert grader.map_with_deadline(double, [(3,), (4,)], 2, 10.0, None) == [6, 8]
-    assert evaluation.grade_many(remix.METHOD, [("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
+    assert report.grade_many(remix.METHOD, [("\\boxed{1}", ["1"])]) == [(1.0, "ok")]
 
 
 @pytest.mark.long
@@ -715,7 +718,7 @@ def test_help_shows_one_default_per_flag():
     done = subprocess.run([sys.executable, str(HERE / "remix.py"), "--help"], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, COLUMNS="120"))
     text = done.stdout
-    for flag, following, default in (("--prompts-per-step", "--group-size", "(default: 256 for PPO, 128 for GRPO)"),
+    for flag, following, default in (("--prompts-per-step", "--group-size", "(default: 256 PPO, 128 GRPO)"),
                                      ("--group-size", "--off-policy-p", "(default: 1 for PPO, 8 for GRPO)")):
         entry = text[text.index(flag) : text.index(following, text.index(flag) + len(flag))]
         entry = " ".join(entry.replace("│", " ").split())
@@ -875,7 +878,7 @@ def test_a_refusal_on_a_rank_other_than_0_is_said_by_that_rank(monkeypatch, caps
 
     monkeypatch.setattr(console, "OTHER_RANK_WAIT", 0.3, raising=False)
     for rank, line in ((1, "eval: error: rank 1: its shard is damaged"), (0, "eval: error: its shard is damaged")):
-        monkeypatch.setattr(dist, "rank", lambda: rank)
+        monkeypatch.setitem(console._state, "rank", rank)
         start = time.monotonic()
         with pytest.raises(SystemExit) as exit_info:
             console.fail("its shard is damaged", "eval")
@@ -1291,7 +1294,7 @@ def test_the_method_imports_without_the_command_lines_parser(tmp_path):
     """A bare GPU machine has torch and transformers but no tyro: gpu_check imports remix.py there, and
     `python remix.py` without tyro says what to install, in one line."""
     hide = "import sys; sys.modules['tyro'] = None; "  # a module set to None cannot be imported
-    settings = "import remix; from machinery import flags; print(flags.settings(remix.Args).prompts_per_step)"
+    settings = "import remix; from machinery import console; print(console.settings(remix.Args).prompts_per_step)"
     done = subprocess.run([sys.executable, "-c", hide + settings],
                           cwd=HERE, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
@@ -1325,7 +1328,7 @@ def test_every_planted_bug_of_the_mutation_check_still_applies():
 FORKS_RUN = """import collections, importlib.util, json, os, random, sys, time, types, typing
 sys.path[:0] = [{here!r}]
 import test_remix
-from machinery import flags
+from machinery import console
 from machinery import engines
 from tests.common import bad_values
 generate = engines.hf_generate
@@ -1337,24 +1340,24 @@ for name, path, algos in json.loads(sys.argv[1]):
         out = os.path.join(os.path.dirname(path), name + "-" + algo)
         engines.hf_generate = generate  # the same right answers, drawn anew, for every fork and algorithm
         test_remix.scripted_right_answers(types.SimpleNamespace(setattr=setattr), {data!r})
-        remix.train(flags.settings(remix.Args, **{args!r}, algo=algo, out=out,
+        remix.train(console.settings(remix.Args, **{args!r}, algo=algo, out=out,
                                    group_size=2 if algo == "grpo" else 1))
-        remix.train(flags.settings(remix.Args, resume=out, steps=3))
+        remix.train(console.settings(remix.Args, resume=out, steps=3))
     tried, refused, started = 0, 0, time.perf_counter()  # the fork's own flag checks: each value just outside a
     # numeric flag's range is refused, the method's and the run's
-    every = flags.settings_type(remix.Args)
-    for flag, bound in flags.ranges(every).items():
+    every = console.settings_type(remix.Args)
+    for flag, bound in console.ranges(every).items():
         for value in bad_values(bound, typing.get_type_hints(every)[flag] in (int, int | None)):
             tried += 1
             try:
-                remix.train(flags.settings(remix.Args, **{{**{args!r}, "out": out + "-refused", flag: value}}))
+                remix.train(console.settings(remix.Args, **{{**{args!r}, "out": out + "-refused", flag: value}}))
             except SystemExit as stop:
                 refused += stop.code == 2
     print("FLAGS", name, round(time.perf_counter() - started, 1), "s", flush=True)
     random.seed(0)  # the share of 4,000 draws of one group from the newer of two stored batches (uniform: 0.5)
     replay = collections.deque([[[{{"b": 0}}] for _ in range(4)], [[{{"b": 1}}] for _ in range(4)]], maxlen=2)
     probe = sum(remix.draw_history(replay, 1)[0][0]["b"] for _ in range(4000)) / 4000
-    print("FORK", json.dumps(dict(name=name, probe=probe, tried=tried, refused=refused, numeric=list(flags.ranges(
+    print("FORK", json.dumps(dict(name=name, probe=probe, tried=tried, refused=refused, numeric=list(console.ranges(
         every)), budget=getattr(remix, "RESPONSE_BUDGET", {{}}).get("tokens"), refused_out=os.path.exists(
         out + "-refused"))), flush=True)
 """
@@ -1378,10 +1381,10 @@ GRPO_ONLY = ("grpo_informative_groups", "dr_grpo")  # they change GRPO's group a
 
 
 def copy_project(folder: Path):
-    """remix.py, eval.py and the machinery package, copied into folder (a fork's working copy)."""
+    """remix.py, eval.py (with deepscaler.py) and the machinery package, copied into folder (a fork's working copy)."""
     import shutil
 
-    for file in ("remix.py", "eval.py"):
+    for file in ("remix.py", "eval.py", "deepscaler.py"):
         shutil.copy(HERE / file, folder / file)
     shutil.copytree(HERE / "machinery", folder / "machinery", ignore=shutil.ignore_patterns("__pycache__"))
 
@@ -1486,7 +1489,7 @@ def test_a_fork_under_another_name_trains_evaluates_and_grades_with_its_own_func
     args = dataclasses.asdict(tiny_args(tiny_model, train_file, out, algo="grpo", group_size=2, prompts_per_step=4,
                                         steps=1, eval_every=1, eval_benchmarks=("aime24",), eval_limit=2,
                                         eval_max_tokens=8, log_completions=2))
-    remix_mine.train(flags.settings(remix_mine.Args, **args))
+    remix_mine.train(console.settings(remix_mine.Args, **args))
     rows = read_metrics(out)
     assert [r["eval/aime24/pass@1"] for r in rows] == [100.0, 100.0] and rows[1]["reward/mean"] == 1.0
     for step in (0, 1):
@@ -1520,27 +1523,27 @@ def test_a_run_resumes_only_with_the_method_that_wrote_it_and_drops_no_saved_fla
     tiny = dict(model=tiny_model, dataset=train_file, prompts_per_step=4, max_response_tokens=16, mini_batch_prompts=2,
                 sampler="hf", save_every=1, seed=3, eval_every=0, log_completions=0, algo="grpo", group_size=2)
     out = tmp_path / "fork-run"
-    fork.train(flags.settings(fork.Args, **tiny, steps=1, out=str(out)))
+    fork.train(console.settings(fork.Args, **tiny, steps=1, out=str(out)))
     state = torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)
     assert state["method"] == {"file": "remix_dapo_clip_higher.py",
                                "sha256": hashlib.sha256(fork_path.read_bytes()).hexdigest()}
     capsys.readouterr()
-    one_line_exit(capsys, lambda: remix.train(flags.settings(remix.Args, resume=str(out), steps=2)),
+    one_line_exit(capsys, lambda: remix.train(console.settings(remix.Args, resume=str(out), steps=2)),
                   f"was written by remix_dapo_clip_higher.py (sha256 {state['method']['sha256'][:12]}), not by remix.py")
-    one_line_exit(capsys, lambda: remix.train(flags.settings(remix.Args, resume=str(out), steps=2,
+    one_line_exit(capsys, lambda: remix.train(console.settings(remix.Args, resume=str(out), steps=2,
                                                              resume_other_method=True)),
                   "saved argument --clip-eps-high = 0.28 is no flag of remix.py")
     assert not (out / "checkpoint-2").exists()
-    fork.train(flags.settings(fork.Args, resume=str(out), steps=2))
+    fork.train(console.settings(fork.Args, resume=str(out), steps=2))
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     saved = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["args"]
     assert saved["method"]["clip_eps_high"] == 0.28 and "clip_eps_high" not in saved["run"]
     copy = load_file(shutil.copy(HERE / "remix.py", tmp_path / "remix_copy.py"), "remix_copy")
     out = tmp_path / "copy-run"
-    copy.train(flags.settings(copy.Args, **tiny, steps=1, out=str(out)))
+    copy.train(console.settings(copy.Args, **tiny, steps=1, out=str(out)))
     capsys.readouterr()
-    one_line_exit(capsys, lambda: remix.train(flags.settings(remix.Args, resume=str(out), steps=2)), "not by remix.py")
-    remix.train(flags.settings(remix.Args, resume=str(out), steps=2, resume_other_method=True))
+    one_line_exit(capsys, lambda: remix.train(console.settings(remix.Args, resume=str(out), steps=2)), "not by remix.py")
+    remix.train(console.settings(remix.Args, resume=str(out), steps=2, resume_other_method=True))
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
     assert torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=True)["method"]["file"] == "remix.py"
 
@@ -1561,7 +1564,7 @@ def test_eval_grades_with_the_method_it_is_named_and_says_when_another_trained_t
         (tmp_path / folder / name).write_text(source)
     fork = load_file(tmp_path / "mine" / "remix_mine.py", "remix_mine")
     run_folder = tmp_path / "run"
-    fork.train(flags.settings(fork.Args, model=tiny_model, dataset=train_file, prompts_per_step=2,
+    fork.train(console.settings(fork.Args, model=tiny_model, dataset=train_file, prompts_per_step=2,
                               max_response_tokens=8, steps=1, sampler="hf", save_every=1, eval_every=0,
                               log_completions=0, out=str(run_folder)))
     model = run_folder / "checkpoint-1"

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
-from machinery import engines, flags  # noqa: E402
+from machinery import console, engines  # noqa: E402
 from tests import sleep_mode  # noqa: E402
 from tests.common import ROOT, read_metrics, tiny_args  # noqa: E402
 
@@ -48,7 +48,7 @@ def tokens(llm, prompts):
 def test_the_stand_in_sleeps_and_wakes_as_vllm_does(tiny_model, stand_in, caplog):
     from transformers import AutoModelForCausalLM
 
-    args = remix.finalize_args(flags.settings(remix.Args, model=tiny_model, sampler="vllm", precision="fp32"))
+    args = remix.finalize_args(console.settings(remix.Args, model=tiny_model, sampler="vllm", precision="fp32"))
     llm = engines.start(args, 256)
     assert engines.sleeps(llm) and llm is stand_in[0]
     prompts = [[72, 105, 33], [50, 43, 50, 61]]
@@ -120,7 +120,7 @@ def same_run(a: list[dict], b: list[dict]):
 
 def test_training_with_sleep_mode_runs_every_sequence_and_changes_nothing(tiny_model, train_file, tmp_path, stand_in):
     """With sleep on, the run makes each sequence (evaluation at 0, sample, sleep, push, evaluation after a push,
-    save, reincarnation, resume) and logs exactly what the same run without sleep mode logs."""
+    save, reincarnation, resume) and logs exactly what the same run without sleep mode report."""
     state = remix.train(sleep_run(tiny_model, train_file, tmp_path / "sleep"))
     llm = state["llm"]
     assert llm is stand_in[0] and not llm.llm_engine.is_sleeping()  # awake at the end, for whatever comes next
@@ -137,7 +137,7 @@ def test_training_with_sleep_mode_runs_every_sequence_and_changes_nothing(tiny_m
     # the resume pushes the checkpoint's weights into a new engine, which samples step 3 alike
     resumed = tmp_path / "resumed"
     remix.train(sleep_run(tiny_model, train_file, resumed, steps=2))["llm"] = None
-    state = remix.train(flags.settings(remix.Args, resume=str(resumed), steps=3))
+    state = remix.train(console.settings(remix.Args, resume=str(resumed), steps=3))
     assert [c[0] for c in stand_in[-1].calls][:2] == ["reload_weights", "generate"]
     state["llm"] = None
     same_run(read_metrics(resumed), sleepy)
@@ -186,7 +186,7 @@ def test_a_gpu_engine_generates_on_one_thread_and_the_trainer_keeps_its_own(tiny
     on a GPU engine runs on one and gives the count back. The CPU engine's threads are left alone."""
     from machinery import dist
 
-    llm = engines.start(remix.finalize_args(flags.settings(remix.Args, model=tiny_model, sampler="vllm",
+    llm = engines.start(remix.finalize_args(console.settings(remix.Args, model=tiny_model, sampler="vllm",
                                                            precision="fp32")), 256)
     seen, real = [], llm._llm.generate
     llm._llm.generate = lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1]

@@ -14,7 +14,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
-from machinery import evaluation  # noqa: E402
+from machinery import report  # noqa: E402
 from tests.tiny_model import build_tokenizer  # noqa: E402
 from toy import toy  # noqa: E402
 
@@ -29,9 +29,9 @@ def test_both_answer_styles_grade_right_and_a_wrong_sum_grades_wrong():
     digits = (9, 0, 7, 4, 6)
     answer = toy.problem(digits)["answer"]
     assert answer == "26"
-    assert evaluation.math_reward(remix.METHOD, toy.worked_answer(digits, True), answer) == 1.0
-    assert evaluation.math_reward(remix.METHOD, toy.worked_answer(digits, False), answer) == 1.0
-    assert evaluation.math_reward(remix.METHOD, "9+0=9 9+7=16 16+4=20 20+6=27 \\boxed{27}", answer) == 0.0
+    assert report.math_reward(remix.METHOD, toy.worked_answer(digits, True), answer) == 1.0
+    assert report.math_reward(remix.METHOD, toy.worked_answer(digits, False), answer) == 1.0
+    assert report.math_reward(remix.METHOD, "9+0=9 9+7=16 16+4=20 20+6=27 \\boxed{27}", answer) == 0.0
 
 
 def test_longest_worked_answer_fits_the_response_limit():
@@ -214,10 +214,10 @@ def test_method_args_are_read_by_the_methods_own_args(tmp_path, capsys):
 def test_method_args_refuse_each_flag_the_toy_sets_for_both_arms_naming_the_toys_own(monkeypatch, capsys):
     """Every field the toy gives a run's settings (spied on at run_args, for every configuration) is refused in one
     line that says what to give instead: the toy's --steps, --lr, --configs, ... or that the toy fixes it."""
-    from machinery import flags
+    from machinery import console
 
     given = set()
-    monkeypatch.setattr(flags, "settings", lambda cls, **fields: given.update(fields))
+    monkeypatch.setattr(console, "settings", lambda cls, **fields: given.update(fields))
     for config in toy.CONFIGS:
         toy.run_args(config, 1, 3e-5, 24, 12, "toy", toy.Path("out"))
     monkeypatch.undo()

@@ -19,7 +19,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.common import ROOT, read_metrics, run_remix, tiny_cli  # noqa: E402
+from tests.common import ROOT, load_problems, read_metrics, run_remix, tiny_cli  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,22 +87,24 @@ def imported_beside(folder) -> list[str]:
 
 def test_a_grader_worker_puts_a_forks_folder_after_the_installed_packages(tmp_path, monkeypatch):
     """Issue 43: a worker put the task's folder first on sys.path (its start and resolve()), so a json.py beside a
-    fork ran in the worker, and a machinery/ there broke it. The fork's helper, imported by name, still works."""
+    fork ran in the worker, and a machinery/ there broke it. The workers are forked from this process now, which
+    imports what the warm-up imports: the folder, first here as `python FOLDER/fork.py` puts it, goes last before the
+    warm-up and the fork. The fork's helper, imported by name, still works."""
     import importlib.util
 
     from machinery import grader
 
     folder = fork_folder(tmp_path / "fork")
-    monkeypatch.setattr(sys, "path", [*sys.path, str(folder)])  # as eval.py puts it: last
+    monkeypatch.setattr(sys, "path", [str(folder), *sys.path])  # as Python puts a script's folder: first
     spec = importlib.util.spec_from_file_location("fork_task", folder / "fork_task.py")
     fork = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fork)
     try:
-        answers = grader.map_with_deadline(fork.task, [(1,), (2,)], 2, 60.0, "timeout")
+        answers = grader.map_with_deadline(fork.task, [(1,), (2,)], 2, 60.0, "timeout", warm=fork.task, warm_args=(0,))
     finally:
         grader.close_pool()
     assert [json.loads(a) for a in answers] == [{"x": 1, "bonus": 7}, {"x": 2, "bonus": 7}]
-    assert imported_beside(folder) == []
+    assert imported_beside(folder) == [] and sys.path.index(str(folder)) == len(sys.path) - 1
 
 
 def fork_with_helper(where: str, line: str) -> str:
@@ -245,11 +247,35 @@ def test_a_benchmark_file_with_a_lone_surrogate_is_refused_before_eval_writes(ti
 
 
 def test_paired_surrogate_escapes_are_text_and_load(tmp_path):
-    from machinery import data
-
     path = tmp_path / "d.jsonl"
     path.write_text('{"problem": "smile \\ud83d\\ude00: 1+1?", "answer": "2"}\n')
-    assert data.load_problems(str(path), "problem", "answer") == [("smile \U0001F600: 1+1?", "2")]
+    assert load_problems(str(path), "problem", "answer") == [("smile \U0001F600: 1+1?", "2")]
+
+
+def test_line_separators_inside_a_rows_strings_are_text(tmp_path):
+    """JSON lines end at a newline alone: U+2028, U+2029 and U+0085 written raw inside a string (json.dumps with
+    ensure_ascii=False) are the string's characters, not ends of lines."""
+    path = tmp_path / "d.jsonl"
+    rows = [{"problem": f"1+1?{sep}", "answer": "2"} for sep in ("\u2028", "\u2029", "\x85")]
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\r\n" for row in rows), encoding="utf-8")
+    assert load_problems(str(path), "problem", "answer") == [(row["problem"], "2") for row in rows]
+
+
+@pytest.mark.parametrize("text", ["{", "[" * 100_000 + "]" * 100_000, "[1, 2]"])
+def test_an_evaluations_damaged_settings_are_one_line_and_nothing_is_written(text, tiny_model, tmp_path, capsys):
+    """eval.py continuing an --out whose settings.json is not JSON, nested past Python's recursion limit, or no
+    object: one line that says what to do, exit 2, the folder as it was."""
+    import eval as eval_cli
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "settings.json").write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        eval_cli.main(eval_cli.EvalArgs(model=str(tiny_model), out=str(out), limit=1, sampler="hf"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err == [f"eval: error: {out / 'settings.json'} is damaged (not a JSON object "
+                                                 f"of settings); choose another --out, or pass --overwrite"], err
+    assert sorted(p.name for p in out.iterdir()) == ["settings.json"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,7 +330,7 @@ def test_an_outer_timer_survives_the_template_guard(tiny_model, tmp_path):
     render (a template that never ends) fires there, and what its handler raises comes out as it is, not as the
     template's failure; the guard leaves no timer and no handler of its own behind."""
     from machinery import data
-    from machinery.runner import load_tokenizer
+    from machinery.data import load_tokenizer
     import remix
 
     fired = []

@@ -9,7 +9,7 @@
     python toy/toy.py --method remix_mine.py --method-args="--my-flag 0.3"   # with flags of its own, for its runs
     python toy/toy.py --forks --out runs/forks   # every fork of docs/forks against remix.py: forks.md
 
-The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.py's answer check (evaluation.math_reward).
+The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.py's answer check (report.math_reward).
 The base model is a tiny Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed
 instruction) trained by supervised learning on two answer styles: a quarter of the targets work the running sums
 out before the box ('3+5=8 8+8=16 16+2=18 \\boxed{18}', up to 42 tokens), the rest give the bare '\\boxed{18}'
@@ -186,14 +186,14 @@ def pass_at_1(model, tokenizer, problems: list[dict], temperature: float = 0.0) 
 
     import remix
 
-    from machinery import engines, evaluation
+    from machinery import engines, report
 
     prompts = [remix.build_prompt(tokenizer, p["problem"]) for p in problems]
     with torch.random.fork_rng():
         torch.manual_seed(1234)
         groups = engines.hf_generate(model, tokenizer, prompts, 1, temperature, 1.0, MAX_TOKENS, len(problems))
     texts = [tokenizer.decode(g[0][0], skip_special_tokens=True) for g in groups]
-    grades = evaluation.grade_many(remix.METHOD, [(t, [p["answer"]]) for t, p in zip(texts, problems)], workers=1)
+    grades = report.grade_many(remix.METHOD, [(t, [p["answer"]]) for t, p in zip(texts, problems)], workers=1)
     worked = sum(not t.lstrip().startswith("\\boxed") for t in texts) / len(texts)
     return sum(g[0] for g in grades) / len(problems), sum(len(g[0][0]) for g in groups) / len(groups), worked
 
@@ -295,10 +295,10 @@ def run_args(config: str, seed: int, lr: float, steps: int, T: int, toy: str, fo
     """One run's settings (remix.Args and the run's): the toy's, the configuration's, and on a method's arm its own
     flags."""
     import remix
-    from machinery import flags
+    from machinery import console
 
     overrides = {k: v for k, v in config_of(config).items() if k != "fork"}
-    return flags.settings(remix.Args, **{**shared_settings(steps, T, lr), **overrides, **(method_flags or {})},
+    return console.settings(remix.Args, **{**shared_settings(steps, T, lr), **overrides, **(method_flags or {})},
                           model=str(Path(toy) / "base"), dataset=str(Path(toy) / "train.jsonl"), out=str(folder),
                           seed=seed)
 
@@ -963,7 +963,7 @@ def typed(kind, text: str, flag: str):
 
 def parse_method_args(cls, text: str, source: str = "the method") -> dict:
     """--method-args, written as on the method's command line, read by its Args (cls) and the run's settings beside
-    them (as its command line reads them: machinery.flags.settings_type) into fields of their types:
+    them (as its command line reads them: machinery.console.settings_type) into fields of their types:
     '--my-flag 0.3 --other --no-kl-convex' -> {'my_flag': 0.3, 'other': True, 'kl_convex': False}; a tuple field
     takes the values up to the next flag. An unknown flag, a value that does not read, or a flag the toy sets for
     both arms is one line naming the flag (refuse)."""
@@ -974,9 +974,9 @@ def parse_method_args(cls, text: str, source: str = "the method") -> dict:
         tokens = shlex.split(text)
     except ValueError as error:
         refuse(f"--method-args={text!r} does not split into flags ({error})")
-    from machinery import flags
+    from machinery import console
 
-    every = flags.settings_type(cls)
+    every = console.settings_type(cls)
     fields, hints, parsed = [f.name for f in dataclasses.fields(every)], typing.get_type_hints(every), {}
     while tokens:
         token = tokens.pop(0)
@@ -1038,7 +1038,7 @@ def check_method(cli: ToyArgs):
         raise
     except BaseException as error:  # a SystemExit at import, too
         refuse(import_failure(error, copy, source))
-    from machinery import flags, runner as session
+    from machinery import console, runner as session
 
     lacking = [name for name in ("Args", "train", "build_prompt", "METHOD") if not hasattr(remix, name)]
     if lacking or not dataclasses.is_dataclass(remix.Args) or not isinstance(remix.METHOD, session.Method):
@@ -1051,7 +1051,7 @@ def check_method(cli: ToyArgs):
         try:
             with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
                 args = run_args(config, 1, cli.lr, cli.steps, cli.reincarnate_step, "toy", Path("out"), method_flags)
-                flags.check_args(remix.METHOD.finalize(args))
+                console.check_args(remix.METHOD.finalize(args), 1)
         except SystemExit:
             line = (said.getvalue().strip().splitlines() or ["?"])[-1].split("error: ", 1)[-1]
             refuse(f"--method-args={cli.method_args!r} at {config}: {line.replace(str(copy), source)}")
@@ -1519,6 +1519,6 @@ def joined_method_args(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from machinery import runner as program  # not "run": the toy's own run() is a global of this module
+    from machinery import runner as program
 
     main(program.parse(ToyArgs, "toy", joined_method_args(sys.argv[1:])))

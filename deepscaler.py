@@ -1,19 +1,19 @@
-"""DeepScaleR's answer rules (the grader behind the paper's numbers), for eval.py --grader deepscaler.
+"""DeepScaleR's answer rules (the grader behind the ReMix paper's numbers), for eval.py --grader deepscaler.
 
-DeepScaleR's answer rules, rewritten here for `eval.py --grader deepscaler`: the ReMix paper's numbers were
-graded with DeepScaleR's reward (deepscaler/rewards/math_reward.py and deepscaler/rewards/math_utils/utils.py of
+It lives beside eval.py, not in machinery/, because only eval.py uses it. The paper's numbers were graded with
+DeepScaleR's reward (deepscaler/rewards/math_reward.py and deepscaler/rewards/math_utils/utils.py of
 agentica-project/deepscaler, vendored in AnitaLeungxx/ReMix-Off-Policy-RFT), so this second checker lets those
 numbers be compared with the math-verify grade. A response is right when the last \\boxed{} of its text after
-</think> equals a gold form under the MATH dataset's string normalisation or under their sympy comparison; their
-LaTeX-to-text step (pylatexenc) is replaced by the small converter _LatexText. A reader of the method may skip it.
+</think> equals a gold form under the MATH dataset's string normalisation or under their sympy comparison, which
+reads LaTeX through pylatexenc as theirs does. A reader of the method may skip it.
 """
 
 import contextlib
 import re
-import unicodedata
 import warnings
 
 import sympy
+from pylatexenc import latex2text
 from sympy.parsing import sympy_parser
 
 
@@ -84,95 +84,13 @@ def mathd_normal(s: str) -> str:
         return s
 
 
-# --- LaTeX to plain text, standing in for pylatexenc
-
-_TOKEN = re.compile(r"\\[A-Za-z]+\s*|\\.|\\$|.", re.S)
-_WORDS = dict(zip(  # what pylatexenc 2.x writes for these macros, one character each
-    "pi infty cup cap cdot times div pm mp le leq leqslant ge geq geqslant neq approx equiv sim cong propto circ "
-    "odot oplus otimes ominus in notin ni subset subseteq supset supseteq setminus emptyset varnothing to "
-    "rightarrow leftarrow Rightarrow Leftrightarrow leftrightarrow mapsto ldots dots cdots vdots ddots prime mid "
-    "vert lvert rvert Vert perp parallel angle measuredangle sum prod int partial nabla forall exists wedge vee "
-    "ell hbar mho aleph ast star bullet dagger dag lfloor rfloor lceil rceil langle rangle lbrace rbrace "
-    "backslash textdegree square gg ll lambda Lambda epsilon phi varepsilon varphi vartheta varpi varsigma "
-    "varrho".split(),
-    "π∞∪∩·×÷±∓≤≤⩽≥≥⩾≠≈≡∼≅∝∘⊙⊕⊗⊖∈∉∋⊂⊆⊃⊇∖∅∅→→←⇒⇔↔↦……⋯⋮⋱'||||‖⊥∥∠∡∑∏∫∂∇∀∃∧∨ℓħ℧ℵ∗⋆∙††⌊⌋⌈⌉⟨⟩{}\\°□≫≪λΛϵϕεφϑϖςϱ"))
-_WORDS |= {w: w for w in "log ln exp sin cos tan arcsin arccos arctan sinh cosh tanh max min lim sup inf".split()}
-_WORDS |= {c: c for c in "{}%$#&_"} | {"quad": "  ", "qquad": "    ", "\\": "\n"} | dict.fromkeys(" ,;:", " ")
-_ACCENTS = {"hat": "\u0302", "tilde": "\u0303", "bar": "\u0305", "dot": "\u0307", "ddot": "\u0308", "vec": "\u20d7"}
-_DROPPED = set("texttt textsf textup mbox hspace vspace hphantom vphantom xrightarrow end".split())
-_MATRICES = set("array pmatrix bmatrix smallmatrix".split())
-_CELL = "\0"  # a column break (&) while a matrix is read; a space in the text
-
-
-def _name(tok: str) -> str:
-    return tok[1:].rstrip() if tok[1:2].isalpha() else tok[1:]
-
-
-class _LatexText:
-    """LaTeX to text the way pylatexenc's LatexNodes2Text renders math answers: \\frac{a}{b} -> a/b (no
-    parentheses), \\sqrt[n]{x} -> √(x), symbols -> their Unicode character, matrices -> [ a b; c d ], macros
-    it does not know -> nothing (their braced arguments stay as text), braces dropped, spaces after a macro
-    name eaten. A missing argument raises, as in pylatexenc."""
-
-    def __init__(self, latex: str):
-        self.tokens, self.i = _TOKEN.findall(latex), 0
-
-    def text(self, until: str = "") -> str:
-        """Up to the end, or past the "}" or `\\end{...}` named by until; a stray "}" is dropped."""
-        out = []
-        while self.i < len(self.tokens):
-            tok = self.tokens[self.i]
-            self.i += 1
-            if until == "end" and _name(tok) == "end":
-                self.arg()  # the environment's name
-                break
-            if tok == "}" and until == "}":
-                break
-            if tok == "{":
-                out.append(self.text("}"))
-            elif tok != "}":
-                out.append(_CELL if tok == "&" else self.macro(_name(tok)) if tok[0] == "\\" else tok)
-        return "".join(out)
-
-    def arg(self) -> str:
-        while self.i < len(self.tokens) and self.tokens[self.i].isspace():
-            self.i += 1
-        if self.i == len(self.tokens) or self.tokens[self.i] == "}":
-            raise ValueError("a macro lacks its argument")
-        tok = self.tokens[self.i]
-        self.i += 1
-        return self.text("}") if tok == "{" else self.macro(_name(tok)) if tok[0] == "\\" else tok
-
-    def macro(self, name: str) -> str:
-        if name == "frac":
-            return f"{self.arg()}/{self.arg()}"
-        if name == "sqrt":
-            if self.tokens[self.i:self.i + 1] == ["["]:  # the root's degree is dropped
-                self.i = self.tokens.index("]", self.i) + 1
-            return f"√({self.arg()})"
-        if name == "begin":
-            env = self.arg()
-            if env == "array":
-                self.arg()  # its column layout
-            body = self.text("end")
-            rows = [" ".join(cell.strip() for cell in row.split(_CELL)) for row in body.split("\n")]
-            return "[ " + "; ".join(rows) + " ]" if env in _MATRICES else body
-        if name in _ACCENTS:
-            return unicodedata.normalize("NFC", self.arg() + _ACCENTS[name])
-        if name in _DROPPED:
-            self.arg()
-            return ""
-        if name in _WORDS:
-            return _WORDS[name]
-        with contextlib.suppress(KeyError):  # a Greek letter; anything else is unknown and gives ""
-            return unicodedata.lookup(f"GREEK {'CAPITAL' if name[:1].isupper() else 'SMALL'} LETTER {name}")
-        return ""
-
+# --- LaTeX to plain text (their _parse_latex, with pylatexenc)
 
 def latex_text(expr: str) -> str:
-    """Their _parse_latex: \\dfrac and \\tfrac read as \\frac, a space before each \\frac (mixed numbers)."""
+    """\\dfrac and \\tfrac read as \\frac, a space before each \\frac (mixed numbers), pylatexenc's text, and
+    the characters sympy cannot read spelled out."""
     expr = expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
-    text = _LatexText(expr).text().replace(_CELL, " ")
+    text = latex2text.LatexNodes2Text().latex_to_text(expr)
     for char, word in (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*")):
         text = text.replace(char, word)
     return text.strip()
