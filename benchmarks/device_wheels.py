@@ -61,8 +61,12 @@ def download(requirement: Requirement, folder: Path):
     done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                            "--python-version", PYTHON, "--implementation", "cp", *platforms, "-d", str(folder),
                            f"{requirement.name}{requirement.specifier}"], capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"device_wheels: no wheel of {requirement} for Python {PYTHON}: {done.stderr.strip()[-500:]}")
+    if done.returncode != 0:  # a source release only (pylatexenc): built here, where it is pure Python
+        done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(folder),
+                               f"{requirement.name}{requirement.specifier}"], capture_output=True, text=True)
+        built = [p for p in folder.glob("*.whl") if wheel_name(p)[0] == canonicalize_name(requirement.name)]
+        if done.returncode != 0 or not all(p.name.endswith("-py3-none-any.whl") for p in built):
+            sys.exit(f"device_wheels: no wheel of {requirement} for Python {PYTHON}: {done.stderr.strip()[-500:]}")
 
 
 def fill(folder: Path):

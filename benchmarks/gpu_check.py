@@ -94,7 +94,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import remix  # noqa: E402
-from machinery import checkpoints, console, dist, engines, evaluation, flags, models, plan  # noqa: E402
+from machinery import checkpoints, console, dist, engines, models, plan, report  # noqa: E402
 from tests.tiny_model import build_tokenizer  # noqa: E402
 
 GIB = 2**30
@@ -154,7 +154,7 @@ def reset_peak() -> None:
 # passes before it counted with it (the reference's, pi_k's and the values' forwards: they hold the update's resident
 # state and less than its activations, with the engine asleep). (module, function name, phase)
 PHASES = [(remix, "sample", "generation"), (engines, "push_weights", "generation"),
-          (evaluation, "during_training", "generation"), (remix, "behaviour_and_reference", "update"),
+          (report, "during_training", "generation"), (remix, "behaviour_and_reference", "update"),
           (remix, "prox_and_values", "update"), (remix, "update", "update")]
 
 
@@ -241,7 +241,7 @@ def run_args(algo: str, model: Path, data: Path, out: Path, response_tokens: int
     """A three-step run with reincarnation after step 2 and evaluations at steps 0 and 3, on vLLM where it is."""
     extra = dict(prompts_per_step=10, group_size=1, mini_batch_prompts=5) if algo == "ppo" else \
         dict(prompts_per_step=5, group_size=4, mini_batch_prompts=3)
-    return flags.settings(remix.Args, **{**dict(
+    return console.settings(remix.Args, **{**dict(
         algo=algo, model=str(model), dataset=str(data), out=str(out), steps=3, reincarnate_step=2,
         max_response_tokens=response_tokens, max_prompt_tokens=256, sampler="vllm" if VLLM else "hf", save_every=0,
         grader_workers=2, overwrite=True, precision="bf16", eval_every=3, eval_benchmarks=("aime24",), eval_limit=4,
@@ -336,7 +336,7 @@ def run_save_and_resume(data: Path, out: Path) -> dict:
     quiet = dict(eval_every=0, **({} if CUDA else {"sampler": "hf"}))  # the CPU's resume on vLLM is a test's
     shut_down(remix.train(run_args("grpo", model, data, out / "straight", 32, **quiet)))
     shut_down(remix.train(run_args("grpo", model, data, out / "resumed", 32, **quiet, steps=2, save_every=2)))
-    shut_down(remix.train(flags.settings(remix.Args, resume=str(out / "resumed"), steps=3)))
+    shut_down(remix.train(console.settings(remix.Args, resume=str(out / "resumed"), steps=3)))
     a, b = metrics(out / "straight")[-1], metrics(out / "resumed")[-1]
     figures = [k for k, v in a.items() if isinstance(v, float) and not k.startswith("perf/")]
     gap = max(abs(a[k] - b[k]) / max(abs(a[k]), 1e-8) for k in figures)
@@ -391,7 +391,7 @@ def resident_after_update(policy, critic, optimizers) -> float:
         samples.append({"prompt_ids": ids[:32], "response_ids": ids[32:], "group": i, "behaviour_logp": zeros - 5,
                         "prox_logp": zeros - 5, "ref_logp": zeros - 5, "advantages": zeros + 1, "values": zeros,
                         "value_targets": zeros + 1, "sampler_logp": None})
-    args = flags.settings(remix.Args, algo="ppo", mini_batch_prompts=2, group_size=1)
+    args = console.settings(remix.Args, algo="ppo", mini_batch_prompts=2, group_size=1)
     remix.update(samples, policy, critic, optimizers, 1.0, 1, 1, args)
     held = memory() / GIB
     print(f"gpu_check: resident between updates {held:.2f} GiB (gradients: "
@@ -402,7 +402,7 @@ def resident_after_update(policy, critic, optimizers) -> float:
 def load_models(model_path: Path, checkpointing: bool):
     # the models exactly as training builds them: fp32 masters, bf16 reference, no dropout, the chunked
     # log-prob head, FSDP2 (a group of one in one process)
-    args = remix.finalize_args(flags.settings(remix.Args, model=str(model_path), algo="ppo", precision="bf16",
+    args = remix.finalize_args(console.settings(remix.Args, model=str(model_path), algo="ppo", precision="bf16",
                                               gradient_checkpointing=checkpointing))
     return (*models.load(args), args)
 

@@ -1,4 +1,4 @@
-"""Grading throughput of machinery.evaluation.grade_many on the 1,600 gold answers of the six benchmark files.
+"""Grading throughput of machinery.report.grade_many on the 1,600 gold answers of the six benchmark files.
 
     python benchmarks/grading.py [--data-dir DIR: default the repository's data/benchmarks, or REMIX_DATA's]
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import remix  # noqa: E402
-from machinery import evaluation, grader  # noqa: E402
+from machinery import grader, report  # noqa: E402
 
 
 def main():
@@ -25,15 +25,15 @@ def main():
                              "overrides)")
     parser.add_argument("--rounds", type=int, default=3)
     cli = parser.parse_args()
-    problems = [p for name in evaluation.BENCHMARKS
-                for p in evaluation.load_benchmark(name, cli.data_dir, None)]
+    problems = [p for name in report.BENCHMARKS
+                for p in report.read_benchmark(name, cli.data_dir, None)[0]]
     items = [(f"Let me check. The answer is \\boxed{{{p['answers'][0]}}}.", p["answers"]) for p in problems]
     rates = {1: [], 2: []}
     for _ in range(cli.rounds):
         for workers in (1, 2):
-            evaluation.grade_many(remix.METHOD, items[:4], workers=workers)  # start the pool outside the timing
+            report.grade_many(remix.METHOD, items[:4], workers=workers)  # start the pool outside the timing
             start = time.perf_counter()
-            grades = evaluation.grade_many(remix.METHOD, items, workers=workers)
+            grades = report.grade_many(remix.METHOD, items, workers=workers)
             rates[workers].append(len(items) / (time.perf_counter() - start))
             grader.close_pool()  # the next round starts its own pool
     right = sum(g[0] == 1.0 for g in grades)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COPY = ("remix.py", "eval.py", "test_remix.py", "conftest.py", "pytest.ini", "machinery", "tests")
+COPY = ("remix.py", "eval.py", "deepscaler.py", "test_remix.py", "conftest.py", "pytest.ini", "machinery", "tests")
 LOOP_TESTS = "spied or further or entropy_bonus or kl_coefficient or unpadded or uniform_over or token_budgets"
 FAST_TESTS = ("-m", "not slow", "test_remix.py", "tests/test_runs.py")
 SLEEP_TESTS = ("tests/test_sleep_mode.py::test_training_with_sleep_mode_runs_every_sequence_and_changes_nothing",)

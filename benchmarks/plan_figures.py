@@ -15,14 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import remix  # noqa: E402
-from machinery import flags, plan  # noqa: E402
+from machinery import console, plan  # noqa: E402
 
 MODELS = {"1.5B": "deepseek-r1-distill-qwen-1.5b.json", "7B": "deepseek-r1-distill-qwen-7b.json"}
 CARDS = (80, 40, 24)
 
 
 def gpu_args(**changes):
-    args = remix.finalize_args(flags.settings(remix.Args, **changes))
+    args = remix.finalize_args(console.settings(remix.Args, **changes))
     args.precision, args.gradient_checkpointing = "bf16", None  # a GPU's defaults
     return args
 

@@ -26,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 RUN = """import dataclasses, json, sys
 sys.path.insert(0, {root!r})
 import remix
-from machinery import engines, flags
+from machinery import console, engines
 start = engines.start
 # the engine's dtype alone: engines.start takes it from --precision, the trainer keeps its own
 engines.start = lambda args, max_model_len=None: start(dataclasses.replace(args, precision={engine_precision!r}),
                                                        max_model_len)
-args = flags.settings(remix.Args, model={model!r}, dataset={data!r}, out={out!r}, algo="grpo", sampler="vllm",
+args = console.settings(remix.Args, model={model!r}, dataset={data!r}, out={out!r}, algo="grpo", sampler="vllm",
                       steps={steps}, prompts_per_step=8, group_size=4, max_response_tokens=128, mini_batch_prompts=4,
                       save_every=0, actor_lr=1e-5, precision={precision!r}, eval_every=0)
 remix.train(args)
@@ -59,10 +59,10 @@ def main():
                                                       "data/train/deepscaler_partial.jsonl; REMIX_DATA overrides)")
     parser.add_argument("--quick", action="store_true", help="the tiny model only, 2 steps per run (a smoke run)")
     cli = parser.parse_args()
-    from machinery import evaluation
+    from machinery import report
     from tests.tiny_model import build_tiny_model, write_short_problems
 
-    cli.data = cli.data or str(evaluation.data_root() / "train" / "deepscaler_partial.jsonl")
+    cli.data = cli.data or str(report.data_root() / "train" / "deepscaler_partial.jsonl")
 
     work = Path(tempfile.mkdtemp(prefix="remix-mismatch-"))
     data = write_short_problems(cli.data, work / "train.jsonl", max_chars=120, limit=64)

@@ -75,10 +75,14 @@ HOST_MEMORY = """import json, os, resource, sys
 sys.path.insert(0, sys.argv[1])
 import torch, remix
 if os.path.isdir(os.path.join(sys.argv[1], "machinery")):  # the package (after the restructuring)
-    from machinery import dist, flags, models
+    import importlib
+    from machinery import dist, models
     dist.init()
     rank, barrier = dist.rank, dist.barrier
-    settings = getattr(flags, "settings", lambda cls, **values: cls(**values))  # remix.Args held the run's too before
+    homes = [importlib.import_module("machinery." + m) for m in ("console", "flags")  # settings' home, then and now
+             if os.path.exists(os.path.join(sys.argv[1], "machinery", m + ".py"))]
+    settings = next((h.settings for h in homes if hasattr(h, "settings")),
+                    lambda cls, **values: cls(**values))  # remix.Args held the run's too before
     load = lambda: models.load(remix.finalize_args(settings(remix.Args, model=sys.argv[2], algo="ppo")))
 else:  # remix_utils.py beside remix.py (before it)
     import remix_utils
@@ -162,10 +166,10 @@ def main():
     import torch
 
     import test_remix
-    from machinery import evaluation
+    from machinery import report
     from tests.tiny_model import build_tiny_model, write_short_problems
 
-    cli.data = cli.data or str(evaluation.data_root() / "train" / "deepscaler_partial.jsonl")
+    cli.data = cli.data or str(report.data_root() / "train" / "deepscaler_partial.jsonl")
 
     work = Path(tempfile.mkdtemp(prefix="remix-scale-"))
     model = build_tiny_model(str(work / "tiny"))

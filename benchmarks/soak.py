@@ -157,15 +157,15 @@ def run(cli, out: Path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import remix
-    from machinery import evaluation, flags
+    from machinery import console, report
     from tests.tiny_model import build_tiny_model, write_short_problems
 
     out.mkdir(parents=True, exist_ok=False)
     model = build_tiny_model(str(out / "tiny"))
-    data = write_short_problems(evaluation.data_root() / "train" / "deepscaler_partial.jsonl", out / "train.jsonl",
+    data = write_short_problems(report.data_root() / "train" / "deepscaler_partial.jsonl", out / "train.jsonl",
                                 max_chars=120, limit=512)
     run_dir = out / "run"
-    args = flags.settings(remix.Args, model=model, dataset=str(data), out=str(run_dir), steps=cli.steps,
+    args = console.settings(remix.Args, model=model, dataset=str(data), out=str(run_dir), steps=cli.steps,
                           sampler="vllm", prompts_per_step=cli.prompts_per_step,
                           max_response_tokens=cli.max_response_tokens, mini_batch_prompts=4,
                           eval_every=cli.eval_every, eval_limit=cli.eval_limit, eval_max_tokens=cli.max_response_tokens,

@@ -33,9 +33,9 @@ NEAR = 4  # --near-misses: how many of the most alike other gold answers each go
 
 def grade_many(items: list[tuple[str, list[str]]], workers: int) -> list[tuple]:
     """The answer check over (response, answers) items in worker processes."""
-    from machinery import evaluation
+    from machinery import report
 
-    return evaluation.grade_many(remix.METHOD, items, workers)
+    return report.grade_many(remix.METHOD, items, workers)
 
 
 def grade_any(response: str, answers: list[str]) -> float:
@@ -44,9 +44,9 @@ def grade_any(response: str, answers: list[str]) -> float:
 
 
 def data_root() -> Path:
-    from machinery import evaluation
+    from machinery import report
 
-    return evaluation.data_root()
+    return report.data_root()
 
 
 def load(name: str, root: Path | None = None) -> list[dict]:

@@ -18,13 +18,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
-from machinery import evaluation  # noqa: E402
+from machinery import report  # noqa: E402
 from tests.tiny_model import build_tiny_model, write_short_problems  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=str(evaluation.data_root() / "train" / "deepscaler_partial.jsonl"),
+    parser.add_argument("--data", default=str(report.data_root() / "train" / "deepscaler_partial.jsonl"),
                         help="a .jsonl with problem/answer (default: the repository's data/train/deepscaler_partial"
                              ".jsonl; REMIX_DATA overrides)")
     parser.add_argument("--rounds", type=int, default=3)

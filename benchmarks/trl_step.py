@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
-from machinery import evaluation, flags  # noqa: E402
+from machinery import console, report  # noqa: E402
 
 PROMPTS, GROUP, MAX_TOKENS, LR = 16, 8, 48, 1e-4  # the toy's batch shape and response limit
 
@@ -26,7 +26,7 @@ def main():
     which, toy, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     out = Path(tempfile.mkdtemp(prefix=f"remix-trl-step-{which}-"))
     if which == "remix":
-        args = flags.settings(remix.Args, algo="grpo", model=str(toy / "base"), dataset=str(toy / "train.jsonl"),
+        args = console.settings(remix.Args, algo="grpo", model=str(toy / "base"), dataset=str(toy / "train.jsonl"),
                               out=str(out), steps=steps, prompts_per_step=PROMPTS, group_size=GROUP,
                               mini_batch_prompts=PROMPTS // 2, on_policy=True, max_response_tokens=MAX_TOKENS,
                               actor_lr=LR, sampler="hf", save_every=0, grader_workers=1, max_prompt_tokens=256,
@@ -44,7 +44,7 @@ def main():
 
         def reward(completions, answer, **kwargs):
             texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-            return [g[0] for g in evaluation.grade_many(remix.METHOD, list(zip(texts, [[a] for a in answer])), workers=1)]
+            return [g[0] for g in report.grade_many(remix.METHOD, list(zip(texts, [[a] for a in answer])), workers=1)]
 
         marks = []
 

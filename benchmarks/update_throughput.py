@@ -111,7 +111,7 @@ def speed_child(algo: str, config: str, reps: int) -> dict:
     import torch
 
     import remix
-    from machinery import dist, flags, models
+    from machinery import console, dist, models
     from transformers import AutoModelForTokenClassification
 
     torch.set_num_threads(2)
@@ -124,7 +124,7 @@ def speed_child(algo: str, config: str, reps: int) -> dict:
         critic = AutoModelForTokenClassification.from_config(policy.config.__class__(**{**policy.config.to_dict(),
                                                                                        "num_labels": 1}),
                                                                 trust_remote_code=False)
-    args = remix.finalize_args(flags.settings(remix.Args, algo=algo, max_tokens_per_micro_batch=budget,
+    args = remix.finalize_args(console.settings(remix.Args, algo=algo, max_tokens_per_micro_batch=budget,
                                               mini_batch_prompts=16 if algo == "ppo" else 2,
                                               group_size=8 if algo == "grpo" else 1, actor_lr=1e-6))
     fresh, history = long_tailed_batch(algo)
