@@ -17,6 +17,7 @@ for the benchmark's process: 0 (the default here) leaves the cache's fill out of
 """
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -57,9 +58,18 @@ def layout_bytes(out) -> dict:
     full = [p for p in names if checkpoints.is_full(p)]
     model_only = [p for p in names if not checkpoints.is_full(p)]
     measured = sum(tree_bytes(p) for p in names)
-    expected = (tree_bytes(full[-1]) if full else 0) + sum(checkpoints.model_folder_bytes(p) for p in model_only)
+    expected = (tree_bytes(full[-1]) if full else 0) + sum(model_folder_bytes(p) for p in model_only)
     return {"checkpoints": [os.path.basename(p) for p in names], "full": [os.path.basename(p) for p in full],
             "checkpoint_bytes": measured, "layout_bytes": expected}
+
+
+def model_folder_bytes(folder: str) -> int:
+    """The bytes a checkpoint keeps once reduced: every file of its top level but its training parts."""
+    from machinery import checkpoints
+
+    parts = set(checkpoints.training_parts(folder))
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(folder, "*"))
+               if p not in parts and os.path.isfile(p) and not os.path.islink(p))
 
 
 def slope(xs: list, ys: list) -> float:
