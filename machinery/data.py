@@ -279,6 +279,7 @@ MOVABLE = {"model": "--model", "dataset": "--dataset", "eval_data_dir": "--eval-
 VOLATILE = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")  # a save may change them
 
 def file_digest(path: str) -> str:
+    """A file's SHA-256: what a run records of what it read, and what a checkpoint's manifest holds."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -366,7 +367,7 @@ def same_model(new: str, checkpoint: str, weights: dict, moved: bool = True) -> 
         except (OSError, ValueError) as error:
             return f"{os.path.join(folder, 'config.json')} cannot be read ({error})"
     if differ := sorted(k for k in configs[0].keys() | configs[1].keys() if configs[0].get(k) != configs[1].get(k)):
-        return f"its config.json has another {differ[0]}"
+        return f"its config.json differs from {os.path.basename(checkpoint)}'s in {differ[0]}"
     return weights_differ(new, weights, moved)
 
 def check_data(args, saved: dict, recorded: dict, read: dict, accept: bool) -> dict:

@@ -195,8 +195,9 @@ def rewrite_manifest(folder: Path):
                                    "checkpoint-2/critic/config.json"])
 def test_a_checkpoint_edited_to_run_its_code_never_runs_it_on_resume(where, manifest, two_steps, tmp_path):
     """Its manifest's digests name the edit, and the run is left as it was (no earlier checkpoint holds a training
-    state). With the manifest rewritten to match, the loaders themselves never run the code: a type only the code
-    could load is transformers' one line (nothing written); a tokenizer class it has not is loaded by its own."""
+    state). With the manifest rewritten to match, the code is still never run: the policy's config.json is compared
+    with the base model's before anything loads (one line naming the field); the critic's type, which only the code
+    could load, is transformers' one line (nothing written); a tokenizer class it has not is loaded by its own."""
     out, marker = tmp_path / "run", tmp_path / "RAN"
     shutil.copytree(two_steps, out)
     checkpoint, folder = out / "checkpoint-2", (out / where).parent
@@ -217,6 +218,9 @@ def test_a_checkpoint_edited_to_run_its_code_never_runs_it_on_resume(where, mani
     elif where.endswith("tokenizer_config.json"):
         assert done.returncode == 0, done.stderr[-3000:]
         assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    elif where == "checkpoint-2/config.json":
+        one_error_line(done, "its config.json differs from checkpoint-2's in auto_map")
+        assert snapshot(out) == before
     else:
         line = one_error_line(done, CUSTOM_CODE)
         assert f"cannot load model {str(folder)!r}" in line, line
@@ -626,7 +630,7 @@ def test_the_base_model_is_checked_by_its_recorded_digests_moved_or_in_place(rec
     with edited(config, lambda raw: raw.replace(b'"rms_norm_eps": 1e-06', b'"rms_norm_eps": 0.5')):
         assert b'"rms_norm_eps": 0.5' in config.read_bytes()
         resume_refused(capsys, out, f"the run's model {recorded.base} is not what the run began with (its "
-                                    f"config.json has another rms_norm_eps)", steps=2)
+                                    f"config.json differs from checkpoint-1's in rms_norm_eps)", steps=2)
 
 
 def fake_hub_model(cache: Path, repo: str, source: Path, commit: str) -> Path:
