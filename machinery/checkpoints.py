@@ -7,7 +7,6 @@ into place. A resume takes the newest whose files are exactly its manifest's; ol
 import contextlib
 import dataclasses
 import glob
-import hashlib
 import json
 import os
 import random
@@ -17,7 +16,7 @@ import sys
 import numpy as np
 import torch
 
-from machinery import console, dist, models, runfolder
+from machinery import console, data, dist, models, runfolder
 from machinery.console import fail, say
 
 FORMAT = 4  # 3: no manifest, per-field checks; 2: the settings as one dict; 1: torch.distributed.checkpoint's
@@ -125,7 +124,7 @@ def write_rank_files(tmp: str, optimizers: dict, trainer_state: dict):
 def put_in_place(out: str, tmp: str, final: str, step: int):
     """Rank 0, once every rank has written: the manifest, everything on the disk, then the rename."""
     files = {path: {"size": os.path.getsize(os.path.join(tmp, path)),
-                    "sha256": digest(os.path.join(tmp, path))} for path in listed(tmp)}
+                    "sha256": data.file_digest(os.path.join(tmp, path))} for path in listed(tmp)}
     runfolder.replace_file(os.path.join(tmp, MANIFEST), [json.dumps({"format": FORMAT, "step": step, "files": files},
                                                                     indent=1)])
     runfolder.sync_tree(tmp)
@@ -135,10 +134,6 @@ def put_in_place(out: str, tmp: str, final: str, step: int):
         remove(final)
     runfolder.replace(tmp, final)
     runfolder.sync_folder(out)
-
-def digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 def listed(folder: str) -> list[str]:
     """Every entry under folder but the manifest and folders that hold any, relative to it, sorted."""
@@ -289,7 +284,7 @@ def verify(folder: str) -> str | None:
         if name not in present or not os.path.isfile(full) or os.path.islink(full):
             return f"{full} is missing or not a regular file" if name not in present or os.path.isfile(full) \
                 else f"{full} is not a regular file (a FIFO, socket, device or link that cannot be read safely)"
-        if os.path.getsize(full) != entry.get("size") or digest(full) != entry.get("sha256"):
+        if os.path.getsize(full) != entry.get("size") or data.file_digest(full) != entry.get("sha256"):
             return f"{full} differs from what was saved (its size or SHA-256 against {MANIFEST}): damaged or edited"
     return None
 
@@ -331,10 +326,11 @@ def latest(out: str) -> tuple[str, dict, dict]:
              f"this remix reads {FORMAT}): finish it with the remix that wrote it, or continue from its policy as a "
              f"new run (--model {found[-1]} and another --out), which starts without its optimizer state, replay "
              f"deque and place in the data")
-    ranks = max(sum(os.path.lexists(state_file(f, r)) for r in range(dist.world())) for f in found)
-    if ranks < dist.world():
-        fail(f"--resume {out!r}: the run was trained by {ranks} processes, this is {dist.world()}; resume it with "
-             f"torchrun --nproc-per-node {ranks} (or python for 1)")
+    def check_world(ranks: int):
+        if ranks != dist.world():
+            fail(f"--resume {out!r}: the run was trained by {ranks} processes, this is {dist.world()}; resume it with "
+                 f"torchrun --nproc-per-node {ranks} (or python for 1)")
+    check_world(max(sum(os.path.lexists(state_file(f, r)) for r in range(dist.world())) for f in found))  # fewer states
     for folder in reversed(found):
         try:
             state, optim, problem = *read(folder), None
@@ -349,9 +345,7 @@ def latest(out: str) -> tuple[str, dict, dict]:
             fail(f"--resume {out!r}: {problems[0]}. If this folder is yours, remove {folder} to resume from the "
                  f"checkpoint before it")
         if not problems:
-            if (ranks := state["world_size"]) != dist.world():
-                fail(f"--resume {out!r}: the run was trained by {ranks} processes, this is {dist.world()}; resume it "
-                     f"with torchrun --nproc-per-node {ranks} (or python for 1)")
+            check_world(state["world_size"])
             return folder, state, optim
         say(f"--resume: {problems[0]}; " + (f"resuming from {earlier[-1]} instead" if earlier else
                                             "no earlier checkpoint to fall back to"))
@@ -369,7 +363,7 @@ def only_state_line(out: str, folder: str, problem: str) -> str:
     return (f"--resume {out!r}: {problem}; no earlier checkpoint holds a training state ({held}), so {folder} is left "
             f"as it is: {restore} and resume again, {instead}")
 
-def resume_args(args, saved: dict, done: int, movable=("model", "dataset", "eval_data_dir")):
+def resume_args(args, saved: dict, done: int, movable=tuple(data.MOVABLE)):
     """The run's saved settings; only --steps may change (to extend it), and --model, --dataset and --eval-data-dir
     may give a new place of what the run read. Other flags given, even at their default value, are named as ignored."""
     names = [a[2:].split("=", 1)[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")]  # --x=V, --no-x

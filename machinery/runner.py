@@ -6,7 +6,6 @@ The Session ties settings, inputs, --out, logs and checkpoints to remix.train();
 import collections
 import dataclasses
 import functools
-import hashlib
 import inspect
 import os
 import random
@@ -95,8 +94,7 @@ class Method:
         path = inspect.getfile(self.finalize)
         if not os.path.isfile(path):
             return {"file": path, "sha256": None}
-        with open(path, "rb") as f:
-            return {"file": os.path.basename(path), "sha256": hashlib.sha256(f.read()).hexdigest()}
+        return {"file": os.path.basename(path), "sha256": data.file_digest(path)}
 
 def resume_line(out: str) -> str:
     """What a stopped run leaves to continue: its newest complete checkpoint, or nothing."""
@@ -309,10 +307,15 @@ def char_bound(tokenizer, tokens: int) -> int:
     """The most characters `tokens` tokens can spell: a longer problem is skipped unrendered (50 MB took minutes)."""
     return tokens * max(map(len, tokenizer.get_vocab()), default=1)
 
+def fitting(problem: str, encode, max_prompt_tokens: int, max_chars=None) -> list[int] | None:
+    """The prompt's token ids where they fit max_prompt_tokens, else None; past max_chars it is never rendered."""
+    if max_chars is None or len(problem) <= max_chars:
+        return ids if len(ids := encode(problem)) <= max_prompt_tokens else None
+
 def first_fitting_prompt(problems: list[tuple], encode, max_prompt_tokens: int, max_chars=None) -> int:
     """The index of the first problem whose prompt fits; one line (before anything is written) when none does."""
     for index, (problem, _) in enumerate(problems):
-        if (max_chars is None or len(problem) <= max_chars) and len(encode(problem)) <= max_prompt_tokens:
+        if fitting(problem, encode, max_prompt_tokens, max_chars) is not None:
             return index
     fits = [p for p, _ in problems if max_chars is None or len(p) <= max_chars]
     shortest = f"has {min(len(encode(p)) for p in fits[:2000])} tokens" if fits else \
@@ -324,8 +327,8 @@ def longest_prompt(problems: list[tuple], encode, max_prompt_tokens: int, max_ch
     """The most tokens a prompt of the stream can have (every problem encoded: ask only where a verdict hangs on it)."""
     longest = 0
     for problem, _ in problems:
-        if (max_chars is None or len(problem) <= max_chars) and (tokens := len(encode(problem))) <= max_prompt_tokens:
-            longest = max(longest, tokens)
+        if (ids := fitting(problem, encode, max_prompt_tokens, max_chars)) is not None:
+            longest = max(longest, len(ids))
             if longest == max_prompt_tokens:
                 break
     return longest
@@ -338,7 +341,7 @@ def prompt_stream(problems: list[tuple], encode, max_prompt_tokens: int, seed: i
         order = np.random.RandomState(seed + epoch).permutation(len(problems))  # the same order on resume
         for index in order[offset:]:
             position, (problem, answer) = position + 1, problems[index]
-            if (max_chars is None or len(problem) <= max_chars) and len(ids := encode(problem)) <= max_prompt_tokens:
+            if (ids := fitting(problem, encode, max_prompt_tokens, max_chars)) is not None:
                 yield Prompt(ids, answer, position)
 
 def planned_writes(args, done: int) -> list[tuple]:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from machinery import checkpoints, console, models, runfolder  # noqa: E402
+from machinery import checkpoints, console, data, models, runfolder  # noqa: E402
 from tests.common import (ROOT, every_file, one_error_line, read_metrics, refused_in_one_line, run_remix,  # noqa: E402
                           tiny_args, tiny_cli, two_step_ppo_run)
 
@@ -791,13 +791,13 @@ def test_a_manifest_that_is_no_list_of_the_checkpoints_own_files_is_named_in_one
         manifest["files"].update({k: real if v is None else v for k, v in entries.items()})
         (newest / "manifest.json").write_text(json.dumps(manifest))
     opened = []
-    real_digest = checkpoints.digest
-    checkpoints.digest = lambda path: opened.append(path) or real_digest(path)
+    real_digest = data.file_digest
+    data.file_digest = lambda path: opened.append(path) or real_digest(path)
     try:
         capsys.readouterr()
         folder, _, _ = checkpoints.latest(str(out))
     finally:
-        checkpoints.digest = real_digest
+        data.file_digest = real_digest
     said = capsys.readouterr().out.strip().splitlines()
     assert folder == str(out / "checkpoint-1") and len(said) == 1 and why in said[0] and \
         said[0].endswith(f"resuming from {out / 'checkpoint-1'} instead"), said
