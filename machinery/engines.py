@@ -9,7 +9,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import time
 import warnings
 
 import torch
@@ -129,12 +128,11 @@ def sleep(llm):
     if sleeps(llm):
         llm.sleep(level=2)
 
-def push_weights(llm, policy) -> float:
-    """The trainer's weights into the engine, one full tensor at a time, leaving it fully awake; returns the seconds.
+def push_weights(llm, policy):
+    """The trainer's weights into the engine, one full tensor at a time, leaving it fully awake.
     A weight left out (after a level-2 sleep, garbage; vLLM only warns) stops the run; 'RotaryEmbedding' is harmless."""
     if llm is None:  # --sampler hf: the sampler is the trainer's own policy
-        return 0.0
-    start_time = time.perf_counter()
+        return
     if llm.llm_engine.is_sleeping():
         if torch.cuda.is_available():  # cumem maps new physical memory at a wake: what torch caches is not free
             torch.cuda.empty_cache()
@@ -150,7 +148,6 @@ def push_weights(llm, policy) -> float:
     llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
     if llm.llm_engine.is_sleeping():
         llm.wake_up(tags=["kv_cache"])  # the last tag: vLLM resumes its scheduler
-    return time.perf_counter() - start_time
 
 @contextlib.contextmanager
 def warnings_from(name: str):
@@ -176,7 +173,7 @@ def hf_batch(args) -> int:
 def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, temperature: float, top_p: float,
                 max_tokens: int, batch_size: int, seeds: list[int] | None = None, on_batch=None):
     """vllm_generate's contract on transformers' generate (no top-k or sampler log-probs; any EOS id stops); each batch
-    seeded by its first prompt's seed, so tokens depend on the seeds alone. on_batch(prompts, tokens) after each."""
+    seeded by its first prompt's seed, so tokens depend on the seeds alone. on_batch(prompts done) after each."""
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
         dict(do_sample=False)
     eos = policy.generation_config.eos_token_id
@@ -198,7 +195,7 @@ def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, temperature
                 end = next((j for j, token in enumerate(row) if token in stops), None)
                 results.append((row, "length", None) if end is None else (row[: end + 1], "stop", None))
             if on_batch is not None:
-                on_batch(len(prompts[i : i + batch_size]), sum(len(r[0]) for r in results[-len(sequences):]))
+                on_batch(len(prompts[i : i + batch_size]))
     return [results[k * n : (k + 1) * n] for k in range(len(prompts))]
 
 def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int,
@@ -214,7 +211,7 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
     if not hasattr(sampler, "llm_engine"):  # every rank joins: a sharded policy gathers its weights even for none
         with console.progress(label or "", len(batch) * n if label else 0, "responses", prog) as bar:
             raw = hf_generate(sampler, tokenizer, batch, n, temperature, top_p, max_tokens, batch_size, seeds,
-                              on_batch=lambda done, tokens: bar.update(done * n))
+                              on_batch=lambda done: bar.update(done * n))
     else:  # one call with every prompt; vLLM's own bar is ours
         raw = vllm_generate(sampler, batch, n, seeds, temperature, top_p, max_tokens, logprobs=False,
                             use_tqdm=console.engine_progress(label, n, prog) if label else False) if batch else []
