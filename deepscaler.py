@@ -157,7 +157,7 @@ def sympy_same(gold: str, given: str) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # sympy's deprecation notices on odd inputs
             return sympy.simplify(sympy_parser.parse_expr(expr.replace("^", "**"), transformations=transforms)) == 0
-    except Exception:  # sympy may also run long: the caller's deadline per item (grader.py) stops that
+    except Exception:  # sympy may also run long: the deadline per item (grader.map_with_deadline) stops that
         return False
 
 

@@ -1,4 +1,4 @@
-"""The run folder: its lock, where a job may write, and the only way anything is written under --out.
+"""The run folder: its lock, where a job may write, and every write under --out, or into a folder it made and checked.
 
 Writes walk from --out with O_NOFOLLOW: a link inside is never followed (Linked); a file written whole is renamed over
 (a hard link or FIFO there replaced), one appended to must be a regular file of one name (Unwritable).

@@ -45,7 +45,8 @@ ALLOWED = {
     ("machinery/console.py", "drop_unwritable_output", "os.open"),  # /dev/null, onto a standard descriptor closed
     ("machinery/console.py", "drop_unwritable_output", "open"),  # descriptor 1 or 2 as a stream, when Python made none
 }
-PROGRAMS = ["remix.py", "eval.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "machinery").glob("*.py"))]
+PROGRAMS = ["remix.py", "eval.py", "deepscaler.py",
+            *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "machinery").glob("*.py"))]
 
 
 def raw_writes(path: str) -> list[tuple[str, str, str, int]]:
