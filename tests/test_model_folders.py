@@ -464,8 +464,8 @@ def test_a_resume_takes_the_new_place_of_a_moved_model_and_dataset_and_continues
 
     build_tiny_model(str(wider), hidden_size=64)
     capsys.readouterr()  # its save's progress bar
-    resume_refused(capsys, out, f"--model {wider} is not where the run's model {base} moved to (its config.json has "
-                                f"another hidden_size); give the new place of the same one", steps=4, model=str(wider),
+    resume_refused(capsys, out, f"--model {wider} is not where the run's model {base} moved to (its config.json differs "
+                                f"from checkpoint-2's in hidden_size); give the new place of the same one", steps=4, model=str(wider),
                    dataset=str(moved_data))
     done = run_remix("--resume", str(out), "--steps", "4", "--model", str(moved_base), "--dataset", str(moved_data))
     assert done.returncode == 0 and "ignored" not in done.stdout + done.stderr, done.stderr[-3000:]
