@@ -330,7 +330,8 @@ def latest(out: str) -> tuple[str, dict, dict]:
         if ranks != dist.world():
             fail(f"--resume {out!r}: the run was trained by {ranks} processes, this is {dist.world()}; resume it with "
                  f"torchrun --nproc-per-node {ranks} (or python for 1)")
-    check_world(max(sum(os.path.lexists(state_file(f, r)) for r in range(dist.world())) for f in found))  # fewer states
+    # fewer ranks' trainer states than processes:
+    check_world(max(sum(os.path.lexists(state_file(f, r)) for r in range(dist.world())) for f in found))
     for folder in reversed(found):
         try:
             state, optim, problem = *read(folder), None
@@ -363,7 +364,7 @@ def only_state_line(out: str, folder: str, problem: str) -> str:
     return (f"--resume {out!r}: {problem}; no earlier checkpoint holds a training state ({held}), so {folder} is left "
             f"as it is: {restore} and resume again, {instead}")
 
-def resume_args(args, saved: dict, done: int, movable=tuple(data.MOVABLE)):
+def resume_args(args, saved: dict, done: int):
     """The run's saved settings; only --steps may change (to extend it), and --model, --dataset and --eval-data-dir
     may give a new place of what the run read. Other flags given, even at their default value, are named as ignored."""
     names = [a[2:].split("=", 1)[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")]  # --x=V, --no-x
@@ -372,7 +373,7 @@ def resume_args(args, saved: dict, done: int, movable=tuple(data.MOVABLE)):
     saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k in given}
     changed = [k for k, v in given.items() if (k in typed or v != getattr(defaults, k))
                and k not in ("resume", "steps", "resume_other_method", "resume_changed_data") and v != saved.get(k)]
-    moved = {k: given[k] for k in changed if k in movable}
+    moved = {k: given[k] for k in changed if k in data.MOVABLE}
     changed = [k for k in changed if k not in moved]
     steps = args.steps if args.steps != defaults.steps or "steps" in typed else saved["steps"]
     if steps < done:
