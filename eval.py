@@ -366,8 +366,10 @@ def main(args: EvalArgs) -> dict:
         table = markdown(summary)
         runfolder.replace_file(os.path.join(args.out, "results.md"), [table])
         print(table)
-        print(f"{len(samples)} samples in {time.perf_counter() - start:.1f} s (Pass@1 by {args.grader}); written to "
-              f"{args.out}", flush=True)
+        scores = "; ".join(f"{label} " + report.pass_line({f"eval/{name}/pass@1": entry["pass@1"] for name, entry
+                                                            in runs.items()}) for label, runs in summary.items())
+        print(f"{len(samples)} samples in {console.duration(time.perf_counter() - start)}; {scores} by {args.grader}; "
+              f"written to {args.out}: samples.jsonl, summary.json, results.md", flush=True)
     return dist.broadcast(summary)
 
 

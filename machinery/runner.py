@@ -118,6 +118,7 @@ class Session:
             say("LOCAL_RANK is set without RANK (not torchrun): this one process uses GPU 0; pick another with "
                 "CUDA_VISIBLE_DEVICES")
         self.method, self.written_by = method, method.record()  # read once, as the code was loaded
+        self.began, self.scores = time.perf_counter(), None  # the closing line's time and its last evaluation
         self.checkpoint, self.state, self.optim_state, recorded = None, None, None, {}
         changed_data_ok = args.resume_changed_data  # this command's flag, not the run's saved one
         if args.resume:  # the run's saved settings and newest readable checkpoint; --steps may extend it
@@ -147,6 +148,9 @@ class Session:
         rows, dataset_read = data.read_dataset(args.dataset, revision=recorded.get("dataset_revision"))
         self.problems = data.problems_of(rows, args.dataset, args.problem_key, args.answer_key)
         self.tokenizer = tokenizer = data.load_tokenizer(self.checkpoint or args.model)
+        runfolder.check_out(args.out)  # --out's refusals before anything loads: they need nothing loaded
+        if not (args.resume or args.overwrite):  # another run's files there: refused here, start() removes nothing
+            runfolder.prepare_out(args.out, overwrite=False)
         self.encode = data.template_guard(lambda problem: method.build_prompt(  # not self: a cycle through encode
             tokenizer, problem, args.prompt_suffix, args.system_prompt), self.checkpoint or args.model)
         if not tokenizer.chat_template:
@@ -163,7 +167,6 @@ class Session:
             self.inputs["model"] = data.model_record(args.model)
         self.check_lengths()
         self.check_kept()
-        runfolder.check_out(args.out)
         lengths = plan.Lengths(eval_prompt=self.longest_eval, eval_problems=len(self.benchmarks))
         measured = functools.partial(longest_prompt, self.problems, self.encode, args.max_prompt_tokens,
                                      self.max_chars)  # every prompt encoded: only where the verdict may hang on it
@@ -254,8 +257,19 @@ class Session:
 
     def next_prompts(self, n: int) -> list:
         prompts = [next(self.prompts) for _ in range(n)]
+        if error is None:
+            say(self.closing_line())
         self.progress["data_position"] = prompts[-1].position  # problems consumed, for --resume
         return prompts
+    def closing_line(self) -> str:
+        """What a finished run made and where: its steps and time, its last checkpoint and Pass@1, its metrics."""
+        args, found = self.args, checkpoints.complete(self.args.out)
+        scores = f"at step {self.scores[0]} greedy {report.pass_line(self.scores[1])}" if self.scores else \
+            "no evaluation (--eval-every 0)"
+        return (f"finished steps {self.step - self.steps_here + 1}-{self.step} of {args.steps} in "
+                f"{console.duration(time.perf_counter() - self.began)}; the last checkpoint is "
+                f"{found[-1] if found else 'none'}; {scores}; metrics in {os.path.join(args.out, 'metrics.jsonl')}")
+
 
     def lap(self, name: str):
         """Seconds since the last lap (or the step's start), recorded under name."""
@@ -264,8 +278,9 @@ class Session:
 
     def evaluate(self, step: int) -> dict:
         """Greedy Pass@1 on --eval-benchmarks (report.during_training): the record's eval/* entries and perf/eval_s."""
-        start = time.perf_counter()
-        return {**report.during_training(self, step), "perf/eval_s": time.perf_counter() - start}
+        start, found = time.perf_counter(), report.during_training(self, step)
+        self.scores = (step, found)
+        return {**found, "perf/eval_s": time.perf_counter() - start}
 
     def log(self, record: dict, fresh: list[dict] = (), history: list[dict] = (), on_step=None):
         """The step's record completed, handed to on_step(step, record, policy, tokenizer, batch), written and printed;
