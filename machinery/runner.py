@@ -111,6 +111,7 @@ class Session:
             raise TypeError(f"a run takes the method's settings and the run's in one object, "
                             f"console.settings({type(args).__name__}, ...), not a {type(args).__name__}")
         console.catch_interrupts()
+        self.began, self.scores = time.perf_counter(), None  # the closing line's time and its last evaluation
         if not console.within(args.dist_timeout, console.ranges(type(args))["dist_timeout"]):
             fail(f"--dist-timeout must be {console.ranges(type(args))['dist_timeout']}, got {args.dist_timeout}")
         dist.init(args.dist_timeout, args.offload)
@@ -118,7 +119,6 @@ class Session:
             say("LOCAL_RANK is set without RANK (not torchrun): this one process uses GPU 0; pick another with "
                 "CUDA_VISIBLE_DEVICES")
         self.method, self.written_by = method, method.record()  # read once, as the code was loaded
-        self.began, self.scores = time.perf_counter(), None  # the closing line's time and its last evaluation
         self.checkpoint, self.state, self.optim_state, recorded = None, None, None, {}
         changed_data_ok = args.resume_changed_data  # this command's flag, not the run's saved one
         if args.resume:  # the run's saved settings and newest readable checkpoint; --steps may extend it
@@ -141,24 +141,25 @@ class Session:
         if args.offload and not dist.host_collectives():  # a resumed run's saved --offload
             fail(f"{args.out} was trained with --offload: give --offload with --resume too (its process group "
                  f"needs gloo beside NCCL)")
+        runfolder.check_out(args.out)  # --out's refusals before anything loads: they need nothing loaded
+        if not (args.resume or args.overwrite):  # another run's files there: refused here, start() removes nothing
+            runfolder.prepare_out(args.out, overwrite=False)
+        self.check_kept()
         models.reset(self.state["progress"].get("bad_updates", 0) if self.state else 0, args.out)
         data.check_model_path(args.model)
         data.check_dataset(args.dataset)
         data.check_hub(args.model, args.dataset)
+        self.benchmarks, digests = report.read_benchmarks(args.eval_benchmarks, args.eval_data_dir, args.eval_limit) \
+            if args.eval_every else ([], None)
         rows, dataset_read = data.read_dataset(args.dataset, revision=recorded.get("dataset_revision"))
         self.problems = data.problems_of(rows, args.dataset, args.problem_key, args.answer_key)
         self.tokenizer = tokenizer = data.load_tokenizer(self.checkpoint or args.model)
-        runfolder.check_out(args.out)  # --out's refusals before anything loads: they need nothing loaded
-        if not (args.resume or args.overwrite):  # another run's files there: refused here, start() removes nothing
-            runfolder.prepare_out(args.out, overwrite=False)
         self.encode = data.template_guard(lambda problem: method.build_prompt(  # not self: a cycle through encode
             tokenizer, problem, args.prompt_suffix, args.system_prompt), self.checkpoint or args.model)
         if not tokenizer.chat_template:
             say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text")
         self.max_chars = char_bound(tokenizer, args.max_prompt_tokens)  # longer problems cannot fit
         first_fitting_prompt(self.problems, self.encode, args.max_prompt_tokens, self.max_chars)
-        self.benchmarks, digests = report.read_benchmarks(args.eval_benchmarks, args.eval_data_dir, args.eval_limit) \
-            if args.eval_every else ([], None)
         read = {"dataset": dataset_read.get("sha256"), "dataset_revision": dataset_read.get("revision"),
                 "eval_data_dir": digests or None, "model": recorded.get("model")}
         self.inputs = data.check_data(args, self.state["args"], recorded, read, changed_data_ok) if args.resume \
@@ -166,7 +167,6 @@ class Session:
         if not isinstance(self.inputs.get("model"), dict):
             self.inputs["model"] = data.model_record(args.model)
         self.check_lengths()
-        self.check_kept()
         lengths = plan.Lengths(eval_prompt=self.longest_eval, eval_problems=len(self.benchmarks))
         measured = functools.partial(longest_prompt, self.problems, self.encode, args.max_prompt_tokens,
                                      self.max_chars)  # every prompt encoded: only where the verdict may hang on it
@@ -244,7 +244,18 @@ class Session:
         if error is not None and console.from_signal(error):
             grader.close_pool()
             raise console.Stopped(console.stop_line(console.seen() or signal.SIGINT)) from None
+        if error is None:
+            say(self.closing_line())
         return False
+
+    def closing_line(self) -> str:
+        """What a finished run made and where: its steps and time, its last checkpoint and Pass@1, its metrics."""
+        args, found = self.args, checkpoints.complete(self.args.out)
+        scores = f"at step {self.scores[0]} greedy {report.pass_line(self.scores[1])}" if self.scores else \
+            "no evaluation (--eval-every 0)"
+        return (f"finished steps {self.step - self.steps_here + 1}-{self.step} of {args.steps} in "
+                f"{console.duration(time.perf_counter() - self.began)}; the last checkpoint is "
+                f"{found[-1] if found else 'none'}; {scores}; metrics in {os.path.join(args.out, 'metrics.jsonl')}")
 
     def steps(self):
         """The steps still to run."""
@@ -257,19 +268,8 @@ class Session:
 
     def next_prompts(self, n: int) -> list:
         prompts = [next(self.prompts) for _ in range(n)]
-        if error is None:
-            say(self.closing_line())
         self.progress["data_position"] = prompts[-1].position  # problems consumed, for --resume
         return prompts
-    def closing_line(self) -> str:
-        """What a finished run made and where: its steps and time, its last checkpoint and Pass@1, its metrics."""
-        args, found = self.args, checkpoints.complete(self.args.out)
-        scores = f"at step {self.scores[0]} greedy {report.pass_line(self.scores[1])}" if self.scores else \
-            "no evaluation (--eval-every 0)"
-        return (f"finished steps {self.step - self.steps_here + 1}-{self.step} of {args.steps} in "
-                f"{console.duration(time.perf_counter() - self.began)}; the last checkpoint is "
-                f"{found[-1] if found else 'none'}; {scores}; metrics in {os.path.join(args.out, 'metrics.jsonl')}")
-
 
     def lap(self, name: str):
         """Seconds since the last lap (or the step's start), recorded under name."""
