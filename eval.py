@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 import deepscaler
-from machinery import checkpoints, console, data, dist, engines, models, report, runfolder, runner
+from machinery import checkpoints, console, data, dist, engines, grader, models, report, runfolder, runner
 
 PROG = "eval"
 
@@ -98,8 +98,6 @@ def fail(message: str):
 def load_method(path: str | None):
     """The method's module (its METHOD and Args), from the file --method names, or remix.py beside eval.py: found by
     its file, never its name (grader.module_at: its folder last on sys.path)."""
-    from machinery import grader
-
     path = os.path.abspath(path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "remix.py"))
     if not (path.endswith(".py") and os.path.isfile(path)):
         fail(f"--method {path!r} is not a Python file; give the method's file, a copy of remix.py (remix_mine.py)")

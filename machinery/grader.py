@@ -1,18 +1,28 @@
 """The answer check's machinery: answers rewritten into notation math-verify reads, graded in deadline workers.
 
+The workers are fresh interpreters (never forks of the trainer: no descriptor, lock, thread or memory of it), replaced
+when one dies or outlives a deadline, and killed by the kernel when the trainer dies.
+
 rewrite() decides which responses earn the reward (Decision 20): each rule, in order, maps every spelling of one value
 onto one form math-verify reads as it, never two values onto one; text groups are left alone but by rules "whole".
 """
 
+import atexit
+import contextlib
+import ctypes
 import hashlib
 import importlib
 import importlib.util
 import inspect
-import multiprocessing
+import math
 import os
+import pickle
 import re
+import select
+import signal
+import subprocess
 import sys
-import warnings
+import time
 
 # whole and math: degree signs with a temperature scale. math-verify reads `1950^\circ C` as 1950*C (and `°` not
 # at all); the degree sign alone it reads as nothing, so the scale letter goes: `1950^\circ C`, `1950°C`,
@@ -194,53 +204,153 @@ def last_boxed(text: str) -> str | None:
             return text[begin:i]
     return None
 
-_pool = {"pool": None, "workers": 0, "modules": frozenset(), "warmed": set()}
-_resolved: dict = {}  # a worker's functions, by reference
-# a worker is forked while vLLM's and torch's threads run; it runs only Python (math-verify, sympy), no thread's lock
-warnings.filterwarnings("ignore", message=r".*multi-threaded, use of fork\(\) may lead to deadlocks",
-                        category=DeprecationWarning)
+# Workers: fresh interpreters fed over pipes (not forks of the caller: benchmarks/grader_workers.py measures why)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder that holds machinery/
+IMPORT_SECONDS = 300.0  # a worker's warm-up or first import of a task's module (seconds on a busy machine)
+WARM = -1  # the task a new worker runs first, before any item
+IN_WORKER = False  # True in a worker: a run started there (a method file without a main guard) is refused
+NO_MAIN_GUARD = ("a grader worker imports the method's file to grade, and that file starts a run when imported: put "
+                 "its run under `if __name__ == \"__main__\":`")
+
+def _send(fd: int, obj):
+    data = pickle.dumps(obj)
+    data = len(data).to_bytes(8, "little") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+def _recv(fd: int):
+    """One message from a pipe between this process and its own workers (both sides are this module's code)."""
+    def exact(n):
+        chunks = []
+        while n:
+            chunk = os.read(fd, n)
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    return pickle.loads(exact(int.from_bytes(exact(8), "little")))
+
+def _serve(parent: int):
+    """A worker's loop: each task (reference(fn), args) is imported, then announced ("go": its deadline starts), then
+    run; its answer or its error goes back. It ends when its input closes, or with its parent (PR_SET_PDEATHSIG)."""
+    global IN_WORKER
+    IN_WORKER = True
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)  # Linux: the kernel kills this process when its parent dies
+    if prctl is not None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+        return
+    out = os.dup(1)
+    os.dup2(2, 1)  # prints of a task go to stderr, never into the protocol
+    resolved = {}
+    while True:
+        try:
+            ref, args = _recv(0)
+        except EOFError:
+            return
+        try:
+            fn = resolved[ref] = resolved.get(ref) or resolve(ref)
+            _send(out, "go")
+            _send(out, ("ok", fn(*args)))
+        except BaseException as error:  # noqa: BLE001 the caller decides (a SystemExit of a module included)
+            _send(out, ("error", f"{type(error).__name__}: {error}"))
+
+class _Worker:
+    """A fresh interpreter: no descriptor of the caller but its pipes and stderr, no thread, lock or device; a session
+    of its own (a terminal's Ctrl-C and SIGHUP are the caller's to handle); machinery loaded from its own files, -P
+    and the task's folder last on sys.path (a json.py or torch.py in the working directory or beside a fork never
+    runs); one OpenMP thread (a reward may use torch or numpy)."""
+
+    def __init__(self):
+        package = os.path.join(HERE, "machinery")
+        start = ("import importlib.util, sys; "
+                 f"spec = importlib.util.spec_from_file_location('machinery', {os.path.join(package, '__init__.py')!r}, "
+                 f"submodule_search_locations=[{package!r}]); "
+                 "sys.modules['machinery'] = importlib.util.module_from_spec(spec); "
+                 "spec.loader.exec_module(sys.modules['machinery']); "
+                 f"from machinery import grader; grader._serve({os.getpid()})")
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        self.write, self.read = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        self.todo, self.warmed, self.task, self.deadline = [], set(), None, math.inf
+
+    def kill(self):
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+_pool: list[_Worker] = []
 
 def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout, warm=None, warm_args=()):
-    """[fn(*item) for item in items] in pebble workers forked from here (no __main__ runs again), kept between calls: an
-    item past `timeout` (math-verify's SIGALRM is a main thread's only; some answers hang in C) or whose worker died
-    gets on_timeout, its worker replaced. warm(*warm_args) runs before the fork: no import counts against a deadline."""
-    from pebble import ProcessExpired, ProcessPool
+    """[fn(*item) for item in items] in worker processes kept between calls. An item whose call outlives `timeout`
+    (math-verify's SIGALRM is a main thread's only; some answers hang in C) gets on_timeout, and so does one whose
+    worker dies under it (SIGKILL, the OOM killer); the worker is replaced, as is one found dead between tasks. Every
+    worker runs warm(*warm_args) once before its first item (no items: the workers started and warm); imports and
+    warm-up never count against a deadline."""
     if workers < 1 or timeout <= 0:
         raise ValueError(f"map_with_deadline needs workers >= 1 and timeout > 0, got {workers} and {timeout}")
-    ref, warmed = reference(fn), warm and (reference(warm), tuple(warm_args))
-    last_on_path(ref[0])  # before the warm's imports here and the workers forked from here
-    if warm is not None and warmed not in _pool["warmed"]:
-        last_on_path(warmed[0][0])
-        warm(*warm_args)  # here: every worker forked from now on has what it imported
-        _pool["warmed"].add(warmed)
-        close_pool()
-    if _pool["pool"] is None or _pool["workers"] != workers or fn.__module__ not in _pool["modules"]:
-        close_pool()
-        _pool.update(pool=ProcessPool(workers, context=multiprocessing.get_context("fork")), workers=workers,
-                     modules=frozenset(sys.modules))
-    futures = [_pool["pool"].schedule(_call, (ref, item), timeout=timeout) for item in items]
-    results = []
-    for future in futures:
-        try:
-            results.append(future.result())
-        except (TimeoutError, ProcessExpired):  # pebble killed and replaced the worker, or it died (SIGKILL, OOM)
-            results.append(on_timeout)
-        except Exception as error:  # noqa: BLE001 fn raised
-            close_pool()  # no task of this call is left to answer the next
-            raise RuntimeError(f"{fn.__name__} failed in a worker process: {type(error).__name__}: {error}") from None
-    return results
+    task, warmup = reference(fn), warm and (reference(warm), tuple(warm_args))
+    while len(_pool) < workers:
+        _pool.append(_Worker())
+    results, todo, done = [None] * len(items), list(range(len(items))), 0
+    while True:
+        for worker in _pool:  # a new worker, or one an earlier call started without this warm-up
+            if warmup and warmup not in worker.warmed:
+                worker.todo, worker.warmed = [warmup], worker.warmed | {warmup}
+        if done == len(items) and (items or all(w.task is None and not w.todo for w in _pool)):
+            return results  # a warm-up still running is the next call's to wait for
+        for i, worker in enumerate(_pool):
+            if worker.task is None and (worker.todo or todo):
+                worker.task = WARM if worker.todo else todo.pop(0)
+                try:
+                    _send(worker.write, worker.todo.pop() if worker.task == WARM else (task, items[worker.task]))
+                    worker.deadline = time.monotonic() + IMPORT_SECONDS
+                except OSError:  # it died between two tasks (killed): the item goes to its replacement
+                    todo[:0] = [worker.task] if worker.task != WARM else []
+                    _pool[i] = _replace(worker)
+        wait = min(w.deadline for w in _pool) - time.monotonic()
+        readable = select.select([w.read for w in _pool], [], [], max(min(wait, 1.0), 0.0))[0]
+        for i, worker in enumerate(_pool):
+            if worker.read in readable:
+                try:
+                    message = _recv(worker.read)
+                except EOFError:
+                    message = ("gone", None)
+                if message == "go":  # imported: the task's own deadline starts
+                    worker.deadline = time.monotonic() + (IMPORT_SECONDS if worker.task == WARM else timeout)
+                    continue
+                status, value = message
+                if status == "error":  # the pool goes with it: no task of this call is left to answer the next
+                    close_pool()
+                    raise RuntimeError(f"{fn.__name__ if worker.task != WARM else warm.__name__} failed in a worker "
+                                       f"process: {value}")
+            elif worker.task is not None and time.monotonic() >= worker.deadline:
+                status = "late"
+            else:
+                continue
+            if worker.task == WARM and status != "ok":
+                close_pool()
+                raise RuntimeError(f"a grader worker did not warm up ({warm.__name__}: {status}); see its error above")
+            if worker.task != WARM:
+                results[worker.task], done = value if status == "ok" else on_timeout, done + 1
+            worker.task, worker.deadline = None, math.inf
+            if status != "ok":  # past its deadline, or gone (killed mid-task): a new worker takes its place
+                _pool[i] = _replace(worker)
 
-def _call(ref: tuple, args: tuple):
-    if ref not in _resolved:
-        _resolved[ref] = resolve(ref)
-    return _resolved[ref](*args)
+def _replace(worker: _Worker) -> _Worker:
+    worker.kill()
+    return _Worker()
 
 def close_pool():
     """End the worker processes; the next call starts fresh ones."""
-    pool, _pool["pool"] = _pool["pool"], None
-    if pool is not None:
-        pool.stop()
-        pool.join()
+    while _pool:
+        _pool.pop().kill()
+
+atexit.register(close_pool)
 
 def reference(fn) -> tuple[str, str, str, str | None]:
     """(folder, module, name, file) that a worker finds fn by: file is the module's own file for a module that is one

@@ -96,12 +96,11 @@ def fitting(problems: list[dict], max_chars: int, prog: str = "remix") -> list[d
         fail(f"benchmark {skipped['benchmark']}: every problem is longer than the model's context can hold", prog)
     return kept
 
-def read_benchmarks(names, data_dir: str | None, limit: int | None, hub: bool = False,
-                    prog: str = "remix") -> tuple[list[dict], dict]:
-    """The problems of the named benchmarks, and {file name: SHA-256 of the bytes read} of their local files."""
-    read = {name: read_benchmark(name, data_dir, limit, hub, prog) for name in resolve(names, prog)}
+def read_benchmarks(names, data_dir: str | None, limit: int | None) -> tuple[list[dict], dict]:
+    """The problems of the named benchmarks (training's: local files), and {file name: SHA-256 of the bytes read}."""
+    read = {name: read_benchmark(name, data_dir, limit) for name in resolve(names)}
     return [p for found, _ in read.values() for p in found], \
-        {BENCHMARKS[name][0]: digest for name, (_, digest) in read.items() if digest is not None}
+        {BENCHMARKS[name][0]: digest for name, (_, digest) in read.items()}
 
 def grade_any(check: tuple, response: str, answers: list[str]) -> tuple[float, str]:
     """The best grade of the method's answer check (check: grader.reference of it) over the accepted answers."""
@@ -307,12 +306,11 @@ class RunLog:
 
     def close(self):
         if self.active:
-            for f in getattr(self, "files", {}).values():
+            for f in self.files.values():  # an __init__ that failed stopped the run: none is half made
                 with self.writing(f.name):
                     f.close()
-            if hasattr(self, "writer"):
-                with self.writing(os.path.join(self.out, "tb")):
-                    self.writer.close()
+            with self.writing(os.path.join(self.out, "tb")):
+                self.writer.close()
 
 def completion_rows(step: int, batch: list[dict], tokenizer, n: int, final_answer) -> list[dict]:
     """n of the step's responses, spread over the batch (fresh first), as completions.jsonl's records."""

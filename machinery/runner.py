@@ -142,9 +142,9 @@ class Session:
             fail(f"{args.out} was trained with --offload: give --offload with --resume too (its process group "
                  f"needs gloo beside NCCL)")
         runfolder.check_out(args.out)  # --out's refusals before anything loads: they need nothing loaded
+        self.check_kept()
         if not (args.resume or args.overwrite):  # another run's files there: refused here, start() removes nothing
             runfolder.prepare_out(args.out, overwrite=False)
-        self.check_kept()
         models.reset(self.state["progress"].get("bad_updates", 0) if self.state else 0, args.out)
         data.check_model_path(args.model)
         data.check_dataset(args.dataset)
@@ -244,18 +244,13 @@ class Session:
         if error is not None and console.from_signal(error):
             grader.close_pool()
             raise console.Stopped(console.stop_line(console.seen() or signal.SIGINT)) from None
-        if error is None:
-            say(self.closing_line())
+        if error is None:  # the closing line: what the finished run made, and where
+            scores = f"at step {self.scores[0]} greedy {report.pass_line(self.scores[1])}" if self.scores else \
+                "no evaluation (--eval-every 0)"
+            say(f"finished steps {self.step - self.steps_here + 1}-{self.step} of {self.args.steps} in "
+                f"{console.duration(time.perf_counter() - self.began)}; {scores}; metrics in "
+                f"{os.path.join(self.args.out, 'metrics.jsonl')}; {resume_line(self.args.out)}")
         return False
-
-    def closing_line(self) -> str:
-        """What a finished run made and where: its steps and time, its last checkpoint and Pass@1, its metrics."""
-        args, found = self.args, checkpoints.complete(self.args.out)
-        scores = f"at step {self.scores[0]} greedy {report.pass_line(self.scores[1])}" if self.scores else \
-            "no evaluation (--eval-every 0)"
-        return (f"finished steps {self.step - self.steps_here + 1}-{self.step} of {args.steps} in "
-                f"{console.duration(time.perf_counter() - self.began)}; the last checkpoint is "
-                f"{found[-1] if found else 'none'}; {scores}; metrics in {os.path.join(args.out, 'metrics.jsonl')}")
 
     def steps(self):
         """The steps still to run."""
