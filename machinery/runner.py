@@ -56,8 +56,13 @@ def unknown_flag_line(unknown: list[str], cls) -> str:
     return f"{first.split('=', 1)[0]} is no flag of {script}{f'; did you mean {close[0]}?' if close else ''} " \
            f"({script} --help lists them)"
 
+NO_MAIN_GUARD = ("the method's file starts a run when imported, and the grader's workers import it: put the run "
+                 "under `if __name__ == \"__main__\":`")
+
 def main(program, prog: str = "remix"):
     """program() and a clean exit; a signal: one line, its exit code (130, 143, 129), no traceback, no worker left."""
+    if grader.IN_WORKER:  # a grader worker imported a method file that runs its program when imported
+        raise RuntimeError(NO_MAIN_GUARD)
     try:
         result = program()
     except runfolder.Unwritable as refused:  # a link or a special file where the program writes: never written
@@ -110,6 +115,8 @@ class Session:
         if not isinstance(args, console.RunArgs):  # a method's Args alone lacks the run's settings
             raise TypeError(f"a run takes the method's settings and the run's in one object, "
                             f"console.settings({type(args).__name__}, ...), not a {type(args).__name__}")
+        if grader.IN_WORKER:  # a method file that calls train() when imported
+            raise RuntimeError(NO_MAIN_GUARD)
         console.catch_interrupts()
         self.began, self.scores = time.perf_counter(), None  # the closing line's time and its last evaluation
         if not console.within(args.dist_timeout, console.ranges(type(args))["dist_timeout"]):
@@ -172,6 +179,11 @@ class Session:
                                      self.max_chars)  # every prompt encoded: only where the verdict may hang on it
         self.plan = plan.check(args, self.checkpoint or args.model, lengths=lengths, measure_prompt=measured)
         torch.manual_seed(args.seed)  # the critic's new head starts alike on every rank
+        try:  # the grader's workers started and warm: a method file they cannot import stops here, nothing written
+            grader.map_with_deadline(method.warm, [], args.grader_workers, args.grade_timeout, None, method.warm,
+                                     method.warm_args)
+        except RuntimeError as error:
+            fail(f"the grader's workers cannot start: {error}")
 
     def check_lengths(self):
         """The longest sequence the run needs (prompt and response, training's or an evaluation's) fits the model."""
