@@ -29,9 +29,10 @@ def test_docs_tests_md_counts_are_what_pytest_collects():
 
 HAND_MADE = """# Tests
 
-    pytest -q                      # 7 tests, what CI runs: about 9 minutes
+    pytest -q                      # 7 fast tests: about 9 minutes
+    pytest -q -m "slow and not long"  # 7 more CI runs
     pytest -q -m long              # the other 7, the longest
-    pytest -q -m "not slow"        # 7 tests without vLLM or torchrun
+    pytest -q -m "not long"        # 7 tests, what CI runs
     pytest -q -m "long or not long"  # all 7
     pytest -q -m slow              # 7 a selection the script does not count
 
@@ -51,14 +52,15 @@ HAND_MADE = """# Tests
 
 def test_the_counts_script_rewrites_a_hand_made_page():
     """Four tests worked by hand: test_a.py holds a fast one, a slow one and a long (slow) one, tests/test_b.py one
-    fast one, and tests/test_empty.py is on disk with none; so the default set is 3 (2 fast), long 1, not slow 2,
-    all 4, and test_a.py's row reads 2 (1) | 1."""
+    fast one, and tests/test_empty.py is on disk with none; so CI's set is 3 (2 fast, 1 slow), long 1, all 4, and
+    test_a.py's row reads 2 (1) | 1."""
     tests = [("test_a.py", False, False), ("test_a.py", False, True), ("test_a.py", True, True),
              ("tests/test_b.py", False, False)]
     on_disk = {"test_a.py", "tests/test_b.py", "tests/test_empty.py"}
     text, problems = rewrite(HAND_MADE, tests, on_disk)
-    expected = (HAND_MADE.replace("# 7 tests, what CI", "# 3 tests, what CI").replace("the other 7", "the other 1")
-                .replace("# 7 tests without", "# 2 tests without").replace("all 7", "all 4")
+    expected = (HAND_MADE.replace("# 7 fast tests", "# 2 fast tests").replace("# 7 more CI", "# 1 more CI")
+                .replace("the other 7", "the other 1").replace("# 7 tests, what CI", "# 3 tests, what CI")
+                .replace("all 7", "all 4")
                 .replace("| `test_a.py` | 9 (9) | 9 |", "| `test_a.py` | 2 (1) | 1 |")
                 .replace("| `tests/test_empty.py` | ? (?) | ? |", "| `tests/test_empty.py` | 0 (0) | 0 |"))
     assert text == expected

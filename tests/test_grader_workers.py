@@ -225,3 +225,22 @@ def test_no_warnings_filter_is_left_by_the_grader():
     assert not any(f[1] is not None and f[1].search("multi-threaded, use of fork() may lead to deadlocks")
                    for f in warnings.filters)
     grader.close_pool()
+
+
+def test_a_method_file_without_a_main_guard_is_refused_in_one_line_before_anything_is_written(tiny_model, train_file,
+                                                                                             tmp_path):
+    """A fork whose run starts at import (no `if __name__ == "__main__":`) cannot work with workers that import the
+    method's file: one line naming the fix, exit 2, and no --out made."""
+    from tests.common import ROOT, one_error_line, run_remix, tiny_cli
+
+    source = (ROOT / "remix.py").read_text()
+    guarded = 'if __name__ == "__main__":\n    runner.main(lambda: train(runner.cli(Args)))\n'
+    assert guarded in source
+    fork = tmp_path / "remix_unguarded.py"
+    fork.write_text(source.replace(guarded, "runner.main(lambda: train(runner.cli(Args)))\n"))
+    out = tmp_path / "run"
+    done = run_remix(*tiny_cli(tiny_model, train_file, out, "--steps", "1"), program=str(fork),
+                     env={"PYTHONPATH": str(ROOT)})
+    one_error_line(done, 'starts a run when imported, and the grader\'s workers import it: put the run under '
+                         '`if __name__ == "__main__":`')
+    assert not out.exists()
