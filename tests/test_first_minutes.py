@@ -51,8 +51,8 @@ def test_a_run_says_each_evaluations_pass1_and_ends_with_what_it_made(tiny_model
     assert (out / "checkpoint-2").is_dir()
     head, tail = lines[-1].split(" in ", 1)
     assert head == "remix: finished steps 1-2 of 2", lines[-1]
-    assert tail.split("; ", 1)[1] == (f"the last checkpoint is {out}/checkpoint-2; at step 2 greedy "
-                                      f"{pass_text(scores[2])}; metrics in {out}/metrics.jsonl"), lines[-1]
+    assert tail.split("; ", 1)[1] == (f"at step 2 greedy {pass_text(scores[2])}; metrics in {out}/metrics.jsonl; "
+                                      f"the last checkpoint is {out}/checkpoint-2; continue with --resume {out}"), lines[-1]
 
 
 @pytest.mark.long
