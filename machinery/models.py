@@ -1,5 +1,6 @@
 """The models: loading checked against the config, precision, the chunked output layer, collation, the guard."""
 
+import glob
 import math
 import os
 import sys
@@ -19,7 +20,6 @@ SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16"}  # the dtype
 def load(args, checkpoint: str | None = None):
     """(policy, reference, critic): fp32 masters computing in --precision (Decision 7), the frozen reference in it; a
     resumed run's from its checkpoint (the reference once reincarnated). Each is sharded before the next loads."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
     device, dtype = dist.device(), compute_dtype(args.precision)
     checkpointing = device.type == "cuda" if args.gradient_checkpointing is None else args.gradient_checkpointing
     if device.type == "cuda":  # the trainer's padded micro-batches must stay off cuDNN's attention kernel
@@ -30,42 +30,72 @@ def load(args, checkpoint: str | None = None):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         without_dropout(model)  # updates run in training mode (Decision 12)
         return dist.shard(model, device, dtype, args.offload)  # --offload: trained models only
-    source = checkpoint or args.model
-    policy = trainable(savable_generation_config(pretrained(AutoModelForCausalLM, source, torch.float32)))
+    policy = trainable(savable_generation_config(pretrained(checkpoint or args.model, torch.float32)))
     reference = critic = None
     if args.kl_beta != 0:
         reincarnated = checkpoint and os.path.isdir(os.path.join(checkpoint, "reference"))
-        frozen = pretrained(AutoModelForCausalLM, os.path.join(checkpoint, "reference") if reincarnated else args.model,
+        frozen = pretrained(os.path.join(checkpoint, "reference") if reincarnated else args.model,
                             dtype).eval().requires_grad_(False)
         reference = dist.shard(savable_generation_config(frozen, quiet=True), device, dtype)
     if args.algo == "ppo":  # the paper's critic: the base model with a scalar head
-        critic = trainable(pretrained(AutoModelForTokenClassification, os.path.join(checkpoint, "critic")
-                                      if checkpoint else args.model, torch.float32, not checkpoint, num_labels=1))
+        critic = trainable(pretrained(os.path.join(checkpoint, "critic") if checkpoint else args.model,
+                                      torch.float32, critic=True, new_head=not checkpoint))
         if not checkpoint:
             say("critic: the base model with a new scalar value head (score.*), initialised at random")
     return policy, reference, critic
 
-def pretrained(cls, source: str, dtype: torch.dtype, new_head: bool = False, prog: str = "remix", **config):
-    """cls.from_pretrained(source), safetensors, no folder code; a bad weight (but new_head's) or error is one line."""
+def pretrained(source: str, dtype: torch.dtype, critic: bool = False, new_head: bool = False, prog: str = "remix"):
+    """The causal LM (or the critic, one output a token) from source: its weights checked by check_weights first,
+    safetensors, no folder code; whatever transformers raises is one line."""
     import transformers
+    check_weights(source, critic, new_head, prog)
+    cls = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
     transformers.utils.logging.disable_progress_bar()
     try:
-        with console.quiet(transformers):  # its load report, said in our one line
-            model, info = cls.from_pretrained(source, dtype=dtype, output_loading_info=True,
-                                              ignore_mismatched_sizes=True, **config, **NO_CODE)
+        with console.quiet(transformers):  # its load report: check_weights has said what it would
+            return cls.from_pretrained(source, dtype=dtype, **({"num_labels": 1} if critic else {}), **NO_CODE)
     except Exception as error:  # noqa: BLE001 whatever transformers, safetensors or torch raise on a bad folder
-        fail(f"cannot load model {source!r}: {console.reason(error)}"
-             f"{'' if os.path.isdir(source) else console.offline_hint()}", prog)
-    missing = sorted(k for k in info["missing_keys"] if not (new_head and k.startswith("score.")))
-    mismatched = [f"config.json makes {key} {list(wanted)}, its weights hold {list(held)}"
-                  for key, held, wanted in sorted(info["mismatched_keys"])]
-    # a tied copy is the model's own; a new head's model leaves the base model's output layer unread
-    unexpected = [] if new_head else sorted(set(info["unexpected_keys"]) - set(model.state_dict()))
-    problems = [f"its weights lack {k} (it would start at random)" for k in missing] + mismatched + [
-        f"its weights hold {k}, which the model its config.json describes does not have" for k in unexpected]
+        fail(f"cannot load model {source!r}: {console.reason(error)}", prog)  # a hub id's files: in the cache by now
+
+def check_weights(source: str, critic: bool = False, new_head: bool = False, prog: str = "remix"):
+    """Every weight the config's model needs, of its shape, and none other, from the safetensors headers (no tensor
+    read), before any engine loads a model: vLLM's loader leaves a weight the files lack unset, silently. A tied copy
+    is the model's own; a new head (the critic on a base model) starts at random, its base's output layer unread."""
+    from huggingface_hub import snapshot_download
+    from safetensors import safe_open
+    held = {}
+    try:  # a hub id: its snapshot, in the cache vLLM and transformers load from
+        folder = source if os.path.isdir(source) else snapshot_download(
+            source, allow_patterns=["*.json", "*.safetensors"])
+        model = meta_model(folder, critic)[1].state_dict(keep_vars=True)
+        for path in glob.glob(os.path.join(folder, "*.safetensors")):
+            with safe_open(path, "pt") as weights:
+                held.update({name: weights.get_slice(name).get_shape() for name in weights.keys()})
+    except Exception as error:  # noqa: BLE001 a config transformers cannot build (meta_model's reason), a bad header
+        reason = error if isinstance(error, ValueError) else console.reason(error)
+        fail(f"cannot load model {source!r}: {reason}{'' if os.path.isdir(source) else console.offline_hint()}", prog)
+    kept = {id(tensor): name for name, tensor in reversed(model.items())}.values()  # a tied pair: its first name
+    needed = {name: list(model[name].shape) for name in sorted(kept) if not (new_head and name.startswith("score."))}
+    problems = [f"its weights lack {name} (it would start at random)" for name in needed if name not in held]
+    problems += [f"config.json makes {name} {shape}, its weights hold {held[name]}"
+                 for name, shape in needed.items() if held.get(name, shape) != shape]
+    problems += [] if new_head else [f"its weights hold {name}, which the model its config.json describes does not have"
+                                     for name in sorted(set(held) - set(model))]
     if problems:
-        fail(f"cannot load model {source!r}: {problems[0]}: the config and weights disagree", prog)
-    return model
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        fail(f"cannot load model {source!r}: {problems[0]}{more}: the config and weights disagree; restore config.json "
+             f"and the *.safetensors files as they were saved together", prog)
+
+def meta_model(source: str, critic: bool = False) -> tuple:
+    """(config, policy or critic) on the meta device, trust_remote_code=False; ValueError with transformers' reason."""
+    from transformers import AutoConfig, AutoModelForCausalLM as Policy, AutoModelForTokenClassification as Critic
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False, **({"num_labels": 1} if critic else {}))
+        with torch.device("meta"):
+            model = (Critic if critic else Policy).from_config(config, trust_remote_code=False)
+    except Exception as error:  # a config transformers cannot use raises anything: its validators, torch, arithmetic
+        raise ValueError(console.reason(error)) from None
+    return config, model
 
 def optimizer(model, lr: float, weight_decay: float, offload: bool = False):
     """AdamW; foreach for offloaded host shards, which torch would step one at a time (the plan counts its buffer)."""

@@ -24,17 +24,6 @@ STATE_FIXED = 64e3  # trainer_state.pt beside its deque: arguments, counters, RN
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".index.json")
 DECODE_LOGITS = 4  # fp32 [rows, vocab] blocks of a decode step in transformers 5's _sample: logits, fp32, scores, probs
 
-def meta_model(source: str, critic: bool = False) -> tuple:
-    """(config, policy or critic) on the meta device, trust_remote_code=False; ValueError with transformers' reason."""
-    from transformers import AutoConfig, AutoModelForCausalLM as Policy, AutoModelForTokenClassification as Critic
-    try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False, **({"num_labels": 1} if critic else {}))
-        with torch.device("meta"):
-            model = (Critic if critic else Policy).from_config(config, trust_remote_code=False)
-    except Exception as error:  # a config transformers cannot use raises anything: its validators, torch, arithmetic
-        raise ValueError(console.reason(error)) from None
-    return config, model
-
 @dataclasses.dataclass
 class Shape:
     """What the arithmetic needs of a model, read off its config and its meta-device build."""
@@ -57,8 +46,9 @@ class Shape:
 def shape_of(source: str) -> Shape:
     """A model folder, hub id or config.json file, built on the meta device; raises ValueError when unreadable."""
     from transformers import DynamicCache
-    config, policy = meta_model(source)
-    critic, text, params = meta_model(source, critic=True)[1], config.get_text_config(), list(policy.parameters())
+    config, policy = models.meta_model(source)
+    critic = models.meta_model(source, critic=True)[1]
+    text, params = config.get_text_config(), list(policy.parameters())
     heads, total = text.num_attention_heads, sum(p.numel() for p in params)
     kv = getattr(text, "num_key_value_heads", heads) * (getattr(text, "head_dim", None) or text.hidden_size // heads)
     layer = sum(p.numel() for p in policy.base_model.layers[0].parameters())

@@ -433,7 +433,7 @@ def test_an_older_checkpoint_is_cast_to_the_base_models_dtype_and_the_newest_kee
     assert [p for p in entries(out) if not p.startswith("checkpoint-")] == []  # no .trash-* left
     loaded = AutoModelForCausalLM.from_pretrained(str(out / "checkpoint-1"), dtype=torch.float32).state_dict()
     assert all(torch.equal(loaded[k], older[k].float()) for k in older)
-    models.pretrained(AutoModelForCausalLM, str(out / "checkpoint-1"), torch.bfloat16)  # its weights are its config's
+    models.pretrained(str(out / "checkpoint-1"), torch.bfloat16)  # its weights are its config's
 
 
 @pytest.mark.parametrize("where", ["inside-save-file", "at-the-rename", "before-config-json"])
