@@ -16,13 +16,13 @@ import importlib.util
 import inspect
 import math
 import os
-import pickle
 import re
-import select
 import signal
 import subprocess
 import sys
 import time
+from multiprocessing import connection
+from multiprocessing.connection import Connection
 
 # whole and math: degree signs with a temperature scale. math-verify reads `1950^\circ C` as 1950*C (and `°` not
 # at all); the degree sign alone it reads as nothing, so the scale letter goes: `1950^\circ C`, `1950°C`,
@@ -204,33 +204,11 @@ def last_boxed(text: str) -> str | None:
             return text[begin:i]
     return None
 
-# Workers: fresh interpreters fed over pipes (not forks of the caller: benchmarks/grader_workers.py measures why)
+# Workers: fresh interpreters fed over pipes (not forks of the caller: docs/bench/grader_workers.md measures why)
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder that holds machinery/
 IMPORT_SECONDS = 300.0  # a worker's warm-up or first import of a task's module (seconds on a busy machine)
 WARM = -1  # the task a new worker runs first, before any item
 IN_WORKER = False  # True in a worker: a run started there (a method file without a main guard) is refused
-NO_MAIN_GUARD = ("a grader worker imports the method's file to grade, and that file starts a run when imported: put "
-                 "its run under `if __name__ == \"__main__\":`")
-
-def _send(fd: int, obj):
-    data = pickle.dumps(obj)
-    data = len(data).to_bytes(8, "little") + data
-    while data:
-        data = data[os.write(fd, data):]
-
-def _recv(fd: int):
-    """One message from a pipe between this process and its own workers (both sides are this module's code)."""
-    def exact(n):
-        chunks = []
-        while n:
-            chunk = os.read(fd, n)
-            if not chunk:
-                raise EOFError
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
-
-    return pickle.loads(exact(int.from_bytes(exact(8), "little")))
 
 def _serve(parent: int):
     """A worker's loop: each task (reference(fn), args) is imported, then announced ("go": its deadline starts), then
@@ -242,20 +220,20 @@ def _serve(parent: int):
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before the line above
         return
-    out = os.dup(1)
+    tasks, answers = Connection(0, writable=False), Connection(os.dup(1), readable=False)
     os.dup2(2, 1)  # prints of a task go to stderr, never into the protocol
     resolved = {}
     while True:
         try:
-            ref, args = _recv(0)
+            ref, args = tasks.recv()
         except EOFError:
             return
         try:
             fn = resolved[ref] = resolved.get(ref) or resolve(ref)
-            _send(out, "go")
-            _send(out, ("ok", fn(*args)))
+            answers.send("go")
+            answers.send(("ok", fn(*args)))
         except BaseException as error:  # noqa: BLE001 the caller decides (a SystemExit of a module included)
-            _send(out, ("error", f"{type(error).__name__}: {error}"))
+            answers.send(("error", f"{type(error).__name__}: {error}"))
 
 class _Worker:
     """A fresh interpreter: no descriptor of the caller but its pipes and stderr, no thread, lock or device; a session
@@ -271,17 +249,20 @@ class _Worker:
                  "sys.modules['machinery'] = importlib.util.module_from_spec(spec); "
                  "spec.loader.exec_module(sys.modules['machinery']); "
                  f"from machinery import grader; grader._serve({os.getpid()})")
-        self.proc = subprocess.Popen([sys.executable, "-P", "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        (task_out, task_in), (answer_out, answer_in) = os.pipe(), os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", start], stdin=task_out, stdout=answer_in,
                                      start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        self.write, self.read = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        os.close(task_out)
+        os.close(answer_in)
+        self.tasks, self.answers = Connection(task_in, readable=False), Connection(answer_out, writable=False)
         self.todo, self.warmed, self.task, self.deadline = [], set(), None, math.inf
 
     def kill(self):
         with contextlib.suppress(OSError):
             self.proc.kill()
         self.proc.wait()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
+        self.tasks.close()
+        self.answers.close()
 
 _pool: list[_Worker] = []
 
@@ -307,17 +288,17 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
             if worker.task is None and (worker.todo or todo):
                 worker.task = WARM if worker.todo else todo.pop(0)
                 try:
-                    _send(worker.write, worker.todo.pop() if worker.task == WARM else (task, items[worker.task]))
+                    worker.tasks.send(worker.todo.pop() if worker.task == WARM else (task, items[worker.task]))
                     worker.deadline = time.monotonic() + IMPORT_SECONDS
                 except OSError:  # it died between two tasks (killed): the item goes to its replacement
                     todo[:0] = [worker.task] if worker.task != WARM else []
                     _pool[i] = _replace(worker)
         wait = min(w.deadline for w in _pool) - time.monotonic()
-        readable = select.select([w.read for w in _pool], [], [], max(min(wait, 1.0), 0.0))[0]
+        readable = connection.wait([w.answers for w in _pool], max(min(wait, 1.0), 0.0))
         for i, worker in enumerate(_pool):
-            if worker.read in readable:
+            if worker.answers in readable:
                 try:
-                    message = _recv(worker.read)
+                    message = worker.answers.recv()
                 except EOFError:
                     message = ("gone", None)
                 if message == "go":  # imported: the task's own deadline starts
