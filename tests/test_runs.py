@@ -458,11 +458,17 @@ def test_a_worker_killed_mid_task_is_replaced_and_its_item_fails_as_a_timeout_do
 def test_a_slow_first_import_of_a_task_is_no_part_of_its_deadline(tmp_path, monkeypatch):
     """A worker imports a task's module before its first item (math-verify and sympy take seconds on a loaded
     machine): the item's deadline starts after the import, so a 2 s import under a 1 s deadline is no timeout."""
-    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(2)\ndef triple(x):\n    return 3 * x\n")
+    imported_by = tmp_path / "imported_by"  # each process that imports the module adds its pid
+    (tmp_path / "slow_to_import.py").write_text(
+        f"import os, time\nwith open({str(imported_by)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}}\\n')\n"
+        "time.sleep(2)\ndef triple(x):\n    return 3 * x\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     import slow_to_import
 
+    grader.close_pool()
     assert grader.map_with_deadline(slow_to_import.triple, [(2,), (5,)], 1, 1.0, "timeout") == [6, 15]
+    importers = [int(pid) for pid in imported_by.read_text().split()]
+    assert len(importers) == 2 and importers[0] == os.getpid() != importers[1]  # the worker imported it itself
     grader.close_pool()
 
 
