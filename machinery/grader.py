@@ -307,19 +307,19 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
                 status, value = message
                 if status == "error":  # the pool goes with it: no task of this call is left to answer the next
                     close_pool()
-                    raise RuntimeError(f"{fn.__name__ if worker.task != WARM else warm.__name__} failed in a worker "
-                                       f"process: {value}")
+                    what = "the warm-up" if worker.task == WARM else fn.__name__
+                    raise RuntimeError(f"{what} failed in a worker process: {value}")
             elif worker.task is not None and time.monotonic() >= worker.deadline:
                 status = "late"
             else:
                 continue
-            if worker.task == WARM and status != "ok":
-                close_pool()
-                raise RuntimeError(f"a grader worker did not warm up ({warm.__name__}: {status}); see its error above")
+            if worker.task == WARM and status != "ok" and (status == "late" or worker.proc.wait() >= 0):
+                close_pool()  # it ended by itself (a failing import) or hung: a replacement would too
+                raise RuntimeError(f"a grader worker did not warm up ({status}); see its error above")
             if worker.task != WARM:
                 results[worker.task], done = value if status == "ok" else on_timeout, done + 1
             worker.task, worker.deadline = None, math.inf
-            if status != "ok":  # past its deadline, or gone (killed mid-task): a new worker takes its place
+            if status != "ok":  # past its deadline, or killed (mid-task or warming up): a new worker takes its place
                 _pool[i] = _replace(worker)
 
 def _replace(worker: _Worker) -> _Worker:

@@ -242,3 +242,22 @@ def test_a_method_file_without_a_main_guard_is_refused_in_one_line_before_anythi
     one_error_line(done, 'starts a run when imported, and the grader\'s workers import it: put the run under '
                          '`if __name__ == "__main__":`')
     assert not out.exists()
+
+
+def test_a_worker_killed_while_it_warms_up_is_replaced(helpers):
+    """A SIGKILL of a worker still running its warm-up (a 3 s import): a new worker warms up and answers; a warm-up
+    that fails by itself still stops the call with its error."""
+    def killer():
+        deadline = time.time() + 60
+        while time.time() < deadline and not children():
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside the warm-up's nap
+        for pid in children():
+            os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    assert grader.map_with_deadline(helpers.pid, [(0,)], 1, 30.0, "timeout", helpers.nap, (3,))[0] in children()
+    thread.join()
+    with pytest.raises(RuntimeError, match="failed in a worker process: ValueError"):
+        grader.map_with_deadline(helpers.pid, [(0,)], 1, 30.0, "timeout", int, ("not a number",))
