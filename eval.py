@@ -139,7 +139,8 @@ def check(args: EvalArgs):
     if args.model is None:
         fail("--model is required (or --regrade SAMPLES.jsonl, or --curves RUN ...)")
     data.check_model_path(args.model, PROG)  # a FIFO in it, pickled weights only: before anything is written
-    data.check_hub(args.model, None, PROG)
+    hub_ids = [report.BENCHMARKS[name][1] for name in report.resolve(args.benchmarks, PROG)] if args.hub else []
+    data.check_hub(args.model, None, PROG, hub_ids)  # one request decides: no look-up retries for half a minute
     if dist.world() % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the {dist.world()} processes")
     if args.sampler == "vllm" and dist.device().type == "cpu":
@@ -338,6 +339,7 @@ def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
     console.catch_interrupts()
     dist.init(prog=PROG)
+    rank = dist.rank()  # read now: vLLM's engine, freed as evaluate returns, takes torchrun's process group with it
     if args.curves:
         return draw(args.curves, args.out)
     if args.regrade:
@@ -356,8 +358,8 @@ def main(args: EvalArgs) -> dict:
         check(args)
         samples = evaluate(args, check_out(args))
     words = load_method(args.method).METHOD.reflection_words
-    summary = report.summarize(samples, words, args.grader) if dist.rank() == 0 else {}
-    if dist.rank() == 0:
+    summary = report.summarize(samples, words, args.grader) if rank == 0 else {}
+    if rank == 0:
         runfolder.replace_file(os.path.join(args.out, "summary.json"), [json.dumps(summary, indent=1)])
         table = markdown(summary)
         runfolder.replace_file(os.path.join(args.out, "results.md"), [table])

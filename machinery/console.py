@@ -68,33 +68,40 @@ def offline_hint() -> str:
     return " (HF_HUB_OFFLINE is set: only the local cache is read; pass a local path)" if offline else ""
 
 class _Lines:
-    """A log file's view of a tqdm bar: each redraw (tqdm writes '\\r' and the bar) becomes a line of its own."""
+    """A log file's view of a tqdm bar: each redraw (tqdm writes '\\r' and the bar) becomes a line of its own, unless
+    it counts what the last line did (a close after vLLM's last refresh): no line twice."""
 
     def __init__(self, stream, prog: str):
-        self.stream, self.prog = stream, prog
+        self.stream, self.prog, self.last = stream, prog, None
 
     def write(self, text: str):
-        if text := text.strip("\r\n "):
+        if (text := text.strip("\r\n ")) and text.rsplit(" [", 1)[0] != self.last:  # the bar, before its times
+            self.last = text.rsplit(" [", 1)[0]
             self.stream.write(f"{self.prog}: {text}\n")
 
     def flush(self):
         self.stream.flush()
 
 def progress(label: str, total: int, unit: str = "problems", prog: str = "remix", stream=None):
-    """A tqdm bar on rank 0: redrawn in place in a terminal, else a plain line at most every 30 s, and the last one."""
+    """A tqdm bar on rank 0: redrawn in place in a terminal (80 x 24 where it reports 0 x 0, as a bare pty does: tqdm
+    would draw nothing), else plain lines: the first, at most one every 30 s (tqdm's monitor's too), the last."""
     from tqdm import tqdm
     stream = stream or sys.stdout
-    tty = stream.isatty()
+    tty, size = stream.isatty(), {}
+    with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor: tqdm's own size
+        size = {"ncols": 80, "nrows": 24} if tty and os.get_terminal_size(stream.fileno()).columns == 0 else {}
     return tqdm(total=total, desc=f"{prog}: {label}" if tty else label, unit=f" {unit}", ascii=not tty,
                 file=stream if tty else _Lines(stream, prog), mininterval=1.0 if tty else 30.0, smoothing=0,
-                disable=_state["rank"] != 0 or total <= 0, dynamic_ncols=tty)  # smoothing 0: the rate so far
+                maxinterval=10.0 if tty else 30.0, disable=_state["rank"] != 0 or total <= 0,
+                dynamic_ncols=tty and not size, **size)  # smoothing 0: the rate so far
 
-def engine_progress(label: str, n: int, prog: str = "remix", stream=None):
-    """What vLLM's generate(use_tqdm=...) takes in place of tqdm: a bar of n responses per request under label; False
-    on the other ranks (vLLM divides by a bar's elapsed time, which a disabled one leaves at 0)."""
-    def bar(iterable=None, total: int = 0, **ignored):
-        return iterable if iterable is not None else progress(label, total * n, "responses", prog, stream)
-    return bar if _state["rank"] == 0 else False
+def engine_progress(label: str | None, responses: int, prog: str = "remix", stream=None):
+    """What vLLM's generate(use_tqdm=...) takes in place of tqdm: a bar of all the responses under label, whatever
+    total vLLM passes (its requests: n a prompt in vLLM 0.32); False without a label or on the other ranks (vLLM
+    divides by a bar's elapsed time, which a disabled one leaves at 0)."""
+    def bar(iterable=None, **ignored):
+        return iterable if iterable is not None else progress(label, responses, "responses", prog, stream)
+    return bar if _state["rank"] == 0 and label else False
 
 def duration(seconds: float) -> str:
     """3725 -> '1h02m', 190 -> '3m10s', 7.4 -> '7s'."""
@@ -105,9 +112,9 @@ def duration(seconds: float) -> str:
 
 def step_line(step: int, steps: int, laps: dict, step_s: float, reward: float, done_here: int,
               elapsed_here: float) -> str:
-    """A training step's line: each phase's seconds, the step's, and the time left at this process's rate so far."""
+    """A training step's line: each phase's seconds, the step's, and the time left at done_here steps' pace so far."""
     phases = ", ".join(f"{name} {laps.get(name, 0.0):.1f}s" for name in ("gen", "trainer", "weight_sync", "eval"))
-    left = elapsed_here / done_here * (steps - step) if done_here > 0 and elapsed_here > 0 else None
+    left = elapsed_here / max(done_here, 1) * (steps - step) if step == steps or done_here and elapsed_here else None
     return (f"step {step}/{steps}: {phases}; step {step_s:.1f}s; reward {reward:.3f}; "
             + (f"{duration(left)} left" if left is not None else "time left unknown yet"))
 

@@ -61,12 +61,13 @@ def special_files(folder: str, recursive: bool = True) -> list[str]:
         odd += [os.path.join(root, n) for n in dirs if recursive and os.path.islink(os.path.join(root, n))]
     return odd
 
-def check_hub(model: str, dataset: str | None = None, prog: str = "remix"):
-    """The hub ids given, checked before anything loads: a hub out of reach is one line; pickled weights refused."""
+def check_hub(model: str, dataset: str | None = None, prog: str = "remix", benchmarks: tuple = ()):
+    """The hub ids given (eval.py --hub: the benchmarks'), before anything loads, one request each and no retry (the
+    datasets library's look-ups retry for half a minute): a hub out of reach is one line; pickled weights refused."""
     import huggingface_hub.errors
-    named = {flag: name for flag, name in (("--model", model), ("--dataset", dataset))
-             if name and is_hub_id(name) and not name.endswith(LOCAL_FORMS)}
-    for flag, name in named.items():
+    named = [(flag, name) for flag, name in (("--model", model), ("--dataset", dataset))
+             if name and is_hub_id(name) and not name.endswith(LOCAL_FORMS)]
+    for flag, name in named + [("--hub's benchmark", benchmark) for benchmark in benchmarks]:
         try:
             if console.offline_hint():
                 folder = huggingface_hub.snapshot_download(name, local_files_only=True) if flag == "--model" else None
@@ -79,8 +80,8 @@ def check_hub(model: str, dataset: str | None = None, prog: str = "remix"):
             if isinstance(error, huggingface_hub.errors.HfHubHTTPError) or console.offline_hint():  # loading says why
                 continue
             fail(f"the Hugging Face hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached ({error}), and "
-                 f"{flag} {name} is a hub id: pass local paths, or set HF_HUB_OFFLINE=1 to use the files already in "
-                 f"the local cache", prog)
+                 f"{flag} {name} is a hub id: {'drop --hub' if 'hub' in flag else 'pass local paths'}, or set "
+                 f"HF_HUB_OFFLINE=1 to use the files already in the local cache", prog)
         if flag == "--model":
             check_weight_files(f"hub model {name!r}", files, prog)
 
@@ -202,8 +203,7 @@ def hub_rows(name: str, config: str | None = None, split: str = "train", revisio
             builder.download_and_prepare()
             return list(builder.as_dataset(split=split)), builder.hash
     except Exception as error:  # offline, unknown id, no such split: one line either way
-        first = str(error).splitlines()[0] if str(error) else repr(error)
-        fail(f"cannot load dataset {name!r} from the hub: {first}{console.offline_hint()}", prog)
+        fail(f"cannot load dataset {name!r} from the hub: {console.reason(error)}{console.offline_hint()}", prog)
 
 def load_tokenizer(source: str, prog: str = "remix"):
     """The model's tokenizer (never its folder's code), making tokens none past the embedding's rows; else one line."""

@@ -236,7 +236,7 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
                               on_batch=lambda done: bar.update(done * n))
     else:  # one call with every prompt; vLLM's own bar is ours
         raw = vllm_generate(sampler, batch, n, seeds, temperature, top_p, max_tokens, logprobs=False,
-                            use_tqdm=console.engine_progress(label, n, prog) if label else False) if batch else []
+                            use_tqdm=console.engine_progress(label, len(batch) * n, prog)) if batch else []
     texts = [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish, _ in group]
              for group in raw]
     out = [None] * len(prompts)

@@ -241,7 +241,7 @@ class Session:
                                       kept=lambda: resume_line(args.out))
         self.prompts = prompt_stream(self.problems, self.encode, args.max_prompt_tokens, args.seed,
                                           self.progress["data_position"], self.max_chars)
-        self.step, self.laps, self.clock, self.first_step_at, self.steps_here = self.progress["step"], {}, 0.0, None, 0
+        self.step, self.laps, self.clock, self.first_step_end, self.steps_here = self.progress["step"], {}, 0.0, None, 0
 
     def __enter__(self):
         console.on_stop(lambda: f"at step {self.step}; {resume_line(self.args.out)}")
@@ -267,7 +267,7 @@ class Session:
         for step in range(self.progress["step"] + 1, self.args.steps + 1):
             console.check_interrupted()
             self.step, self.laps, self.clock = step, {}, time.perf_counter()
-            self.started, self.first_step_at = self.clock, self.first_step_at or self.clock
+            self.started = self.clock
             yield step
         console.check_interrupted()
 
@@ -311,9 +311,10 @@ class Session:
         self.log_file.completions(step, report.completion_rows(step, [*fresh, *history], self.tokenizer,
                                                                args.log_completions, self.method.final_answer))
         self.steps_here += 1
+        self.first_step_end = self.first_step_end or time.perf_counter()  # the rate is of the later steps: no warm-up
         say(console.step_line(step, args.steps, {"gen": gen, "trainer": trainer, "weight_sync": sync,
                                                  "eval": record.get("perf/eval_s", 0.0)}, record["perf/step_s"],
-                              record["reward/mean"], self.steps_here, time.perf_counter() - self.first_step_at))
+                              record["reward/mean"], self.steps_here - 1, time.perf_counter() - self.first_step_end))
         self.progress["step"] = step
 
     def save(self, step: int, reincarnated: bool):

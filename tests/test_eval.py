@@ -166,3 +166,54 @@ def test_bad_input_gets_one_clear_line(tmp_path, tiny_model):
     broken.write_text(json.dumps({"benchmark": "aime24", "id": 1, "answers": ["1"], "response": "x"}) + "\n{oops\n")
     done = run_cli("--regrade", str(broken), "--out", str(tmp_path / "c"))
     assert done.returncode == 2 and "line 2" in done.stderr and "Traceback" not in done.stderr
+
+
+def hub_reachable() -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("program", ["eval --hub", "remix --dataset", "remix --model"])
+def test_with_no_route_to_the_hub_a_look_up_fails_in_one_line_at_once(program, tiny_model, train_file, tmp_path):
+    """For real, on a machine with no route to the hub (skipped where there is one): the datasets library's look-up
+    (eval.py --hub) retried 5 times over about 25 s, two lines each ('Retrying in 8s [Retry 4/5]'); one request
+    decides before any look-up, in one line that says what to do."""
+    if hub_reachable():
+        pytest.skip("the hub is reachable here: this tests a machine with no route to it")
+    script, *flags = {"eval --hub": ["eval.py", "--model", tiny_model, "--hub", "--benchmarks", "aime24"],
+                      "remix --dataset": ["remix.py", "--model", tiny_model, "--dataset", "someone/some-problems"],
+                      "remix --model": ["remix.py", "--model", "someone/some-model", "--dataset", train_file]}[program]
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    done = subprocess.run([sys.executable, str(HERE / script), *flags, "--sampler", "hf", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr[-3000:]
+    assert "cannot be reached" in err[0] and "HF_HUB_OFFLINE=1" in err[0], err
+    assert "Retrying" not in done.stdout + done.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_under_torchrun_rank_0_alone_sums_up_and_its_bar_counts_every_response(tiny_model, tmp_path):
+    """Two processes on vLLM's CPU engine, 2 problems x 16 responses (--protocol deepscaler), stdout a log file: vLLM's
+    engine, freed as the evaluation ends, takes the process group with it, yet the summary line (and summary.json)
+    is rank 0's alone; rank 0's bar counts its share's 16 responses to the end, no line twice."""
+    out = tmp_path / "out"
+    with open(tmp_path / "log", "w") as log:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                               str(29500 + os.getpid() % 1000), str(HERE / "eval.py"), "--model", tiny_model,
+                               "--benchmarks", "aime24", "--limit", "2", "--protocol", "deepscaler", "--max-tokens", "8",
+                               "--out", str(out)], stdout=log, stderr=subprocess.PIPE, text=True, timeout=600,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    said = (tmp_path / "log").read_text().splitlines()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len([line for line in said if "written to" in line]) == 1, said
+    assert json.loads((out / "summary.json").read_text())["t0.6"]["aime24"]["samples"] == 32
+    bar = [re.search(r"\| (\d+/\d+) \[", line).group(1) for line in said
+           if line.startswith("eval: t0.6 aime24 run 1/1 (this process's share of 2): ")]
+    assert bar[0] == "0/16" and bar[-1] == "16/16" and len(set(bar)) == len(bar), said
