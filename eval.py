@@ -269,8 +269,7 @@ def start_sampler(args: EvalArgs, prompts: list[list[int]]):
             max_prompt_tokens=max(map(len, prompts)), max_response_tokens=args.max_tokens, vllm_sleep=False,
             vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
         return engines.start(settings, prog=PROG)
-    model = models.pretrained(args.model, models.compute_dtype(precision), prog=PROG)
-    return model.to(dist.device()).eval()
+    return models.pretrained(args.model, models.compute_dtype(precision), prog=PROG).to(dist.device()).eval()
 
 
 def evaluate(args: EvalArgs, saved: dict | None) -> list[dict]:

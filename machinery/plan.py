@@ -44,11 +44,10 @@ class Shape:
     window: int = 0
 
 def shape_of(source: str) -> Shape:
-    """A model folder, hub id or config.json file, built on the meta device; raises ValueError when unreadable."""
+    """A model folder, hub id or config.json file, built on the meta device; raises what transformers raises."""
     from transformers import DynamicCache
     config, policy = models.meta_model(source)
-    critic = models.meta_model(source, critic=True)[1]
-    text, params = config.get_text_config(), list(policy.parameters())
+    critic, text, params = models.meta_model(source, True)[1], config.get_text_config(), list(policy.parameters())
     heads, total = text.num_attention_heads, sum(p.numel() for p in params)
     kv = getattr(text, "num_key_value_heads", heads) * (getattr(text, "head_dim", None) or text.hidden_size // heads)
     layer = sum(p.numel() for p in policy.base_model.layers[0].parameters())
@@ -257,8 +256,8 @@ def check(args, source: str, prog: str = "remix", lengths: Lengths | None = None
     """The plan, printed; one line and exit 2 where the run cannot fit, a warning where close; None if unreadable."""
     try:
         shape = shape_of(source)
-    except ValueError as error:
-        console.say(f"plan: skipped, the config of {source} cannot be read here ({error})", prog)
+    except Exception as error:  # noqa: BLE001 a config transformers cannot use raises anything
+        console.say(f"plan: skipped, the config of {source} cannot be read here ({console.reason(error)})", prog)
         return None
     world, local, offload = dist.world(), dist.local_world(prog), getattr(args, "offload", False)
     machine = {**readings(args), "existing": existing_checkpoints(args.out) if args.resume else 0.0}

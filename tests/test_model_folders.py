@@ -421,53 +421,46 @@ def raised(error: Exception, cause: Exception | None = None) -> Exception:
     return error
 
 
-MEMORY = "the free memory is below what the engine asks: lower --vllm-gpu-memory-utilization (CPU: " \
-         "VLLM_CPU_KVCACHE_SPACE), or free some"
-KV_CACHE = "its KV cache cannot hold one sequence of the run's lengths: raise --vllm-gpu-memory-utilization (CPU: " \
-           "VLLM_CPU_KVCACHE_SPACE) or lower the prompt and response lengths"
-OOM = "out of memory loading, profiling or capturing graphs: lower the lengths or --vllm-gpu-memory-utilization (the " \
-      "trainer's memory is beside it), or use --sampler hf"
-COMPILE = "torch.compile failed in the engine: check its compiler (the CUDA toolkit, triton) here, or use --sampler hf"
-NCCL = "the engines' process group (NCCL) failed: check the NCCL_* variables (NCCL_DEBUG=INFO says why) and that " \
-       "each rank sees its own GPU, or use --sampler hf"
+MEMORY = "less free GPU memory than its share: lower --vllm-gpu-memory-utilization or free the GPU"
+KV_CACHE = "no KV cache for one sequence: raise --vllm-gpu-memory-utilization (CPU: VLLM_CPU_KVCACHE_SPACE) or " \
+           "lower the lengths"
+OOM = "out of memory: lower --vllm-gpu-memory-utilization or the lengths"
+COMPILE = "torch.compile failed: check the CUDA toolkit and triton here"
+NCCL = "NCCL failed: check the NCCL_* variables (NCCL_DEBUG=INFO says why) and each rank's GPU"
+HF = ", or use --sampler hf"
 FREE = ("Free memory on device cuda:0 (20.5/79.1 GiB) on startup is less than desired GPU memory utilization (0.35, "
         "27.68 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
 GPU_FAILURES = {  # what vLLM 0.33's start raises on a GPU (its messages, copied from its sources) -> what remix says
-    "free-memory": (raised(ValueError(FREE)), f"{MEMORY} (ValueError: {FREE})"),
+    "free-memory": (raised(ValueError(FREE)), f"{MEMORY}{HF} (ValueError: {FREE})"),
     "no-cache-blocks": (raised(ValueError(
         "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
         "engine (this flag also controls CPU memory reservation on the CPU backend, despite its name).")),
-        f"{KV_CACHE} (ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
-        f"when initializing the engine (this flag also controls CPU memory reservation on the CPU backend, despite its "
-        f"name).)"),
+        f"{KV_CACHE}{HF} (ValueError: No available memory for the cache blocks. Try increasing "
+        f"`gpu_memory_utilization` when initializing the engine (this flag also controls CPU memory reservation on the "
+        f"CPU backend, despite its name).)"),
     "oom-loading": (raised(torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 1.02 GiB. GPU 0 has a total capacity of 79.10 GiB of which 512.00 MiB "
-        "is free.")), f"{OOM} (OutOfMemoryError: CUDA out of memory. Tried to allocate 1.02 GiB. GPU 0 has a total "
+        "is free.")), f"{OOM}{HF} (OutOfMemoryError: CUDA out of memory. Tried to allocate 1.02 GiB. GPU 0 has a total "
         f"capacity of 79.10 GiB of which 512.00 MiB is free.)"),
     "oom-warming-up-the-sampler": (raised(RuntimeError(
         "CUDA out of memory occurred when warming up sampler with 256 dummy requests. Please try lowering "
         "`max_num_seqs` or `gpu_memory_utilization` when initializing the engine."), RuntimeError(
-        "CUDA error: out of memory")), f"{OOM} (RuntimeError: CUDA error: out of memory)"),
+        "CUDA error: out of memory")), f"{OOM}{HF} (RuntimeError: CUDA error: out of memory)"),
     "inductor": (raised(InductorError(RuntimeError("C++ compile error"), None)),
-                 f"{COMPILE} (InductorError: RuntimeError: C++ compile error)"),
+                 f"{COMPILE}{HF} (InductorError: RuntimeError: C++ compile error)"),
     "pynccl": (raised(RuntimeError("NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO for details)")),
-               f"{NCCL} (RuntimeError: NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO for details))"),
+               f"{NCCL}{HF} (RuntimeError: NCCL error: unhandled cuda error (run with NCCL_DEBUG=INFO for details))"),
     "torch-nccl": (raised(torch.distributed.DistBackendError(
         "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, unhandled system error")),
-        f"{NCCL} (DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, unhandled system "
-        f"error)"),
+        f"{NCCL}{HF} (DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, unhandled "
+        f"system error)"),
 }
 
 
-@pytest.mark.parametrize("case", list(GPU_FAILURES))
-def test_an_engine_that_fails_to_start_on_a_gpu_says_what_failed_and_the_fix(case):
-    error, said = GPU_FAILURES[case]
-    assert engines.start_failure(error, "some/model") == f"the vLLM engine could not start: {said}"
-
-
 def engine_start_line(model: Path, max_model_len: int, capsys, **changes) -> str:
-    """The one line engines.start stops with on a copy of the model with config.json changed."""
-    edit_json(model / "config.json", **changes)
+    """The one line engines.start stops with on the model (its config.json changed, if changes are given)."""
+    if changes:
+        edit_json(model / "config.json", **changes)
     args = console.settings(remix.Args, model=str(model), dataset="unused", out=str(model.parent / "out"),
                             precision="fp32")
     capsys.readouterr()
@@ -479,6 +472,19 @@ def engine_start_line(model: Path, max_model_len: int, capsys, **changes) -> str
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", list(GPU_FAILURES))
+def test_an_engine_that_fails_to_start_on_a_gpu_says_what_failed_and_the_fix(case, tiny_model, tmp_path, monkeypatch,
+                                                                           capsys):
+    """vLLM's LLM stood in for by one that raises what it raises on a GPU only (the tiny model's check passes)."""
+    error, said = GPU_FAILURES[case]
+
+    def gpu_engine(**settings):
+        raise error
+    monkeypatch.setattr(engines, "vllm_llm_class", lambda: gpu_engine)
+    assert engine_start_line(Path(tiny_model), 64, capsys) == f"remix: error: the vLLM engine could not start: {said}"
+
+
+@pytest.mark.slow
 def test_an_engine_that_fails_to_start_on_the_cpu_says_what_failed_in_one_line(tiny_model, tmp_path, capsys):
     """vLLM's real failures: a KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) too small for one sequence of 2^21 tokens
     (fp32, 2 layers, 2 KV heads of 32: 1 KiB a token, 2 GiB) is memory; a config whose architecture vLLM has no class
@@ -486,9 +492,9 @@ def test_an_engine_that_fails_to_start_on_the_cpu_says_what_failed_in_one_line(t
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     assert engine_start_line(model, 2**21, capsys, max_position_embeddings=2**21).startswith(
-        f"remix: error: the vLLM engine could not start: {KV_CACHE} (ValueError: To serve at least one request with "
-        f"the model's max seq len (2097152), (2.0 GiB KV cache is needed, which is larger than the available KV cache "
-        f"memory (1.0 GiB).")
+        f"remix: error: the vLLM engine could not start: {KV_CACHE}{HF} (ValueError: To serve at least one request "
+        f"with the model's max seq len (2097152), (2.0 GiB KV cache is needed, which is larger than the available KV "
+        f"cache memory (1.0 GiB).")
     assert engine_start_line(model, 64, capsys, architectures=["NoSuchForCausalLM"]) == (
         f"remix: error: cannot load model {str(model)!r}: ValidationError: 1 validation error for ModelConfig")
 
