@@ -127,3 +127,41 @@ def test_the_link_check_finds_a_planted_broken_link(tmp_path, monkeypatch):
 def test_the_readme_is_a_front_page_of_at_most_250_lines():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= README_LINES, f"README.md has {lines} lines; move the newest detail into a docs/ page"
+
+
+GUARANTEES = "## Each guarantee and the test that holds it"
+
+
+def unheld(page: str) -> list[str]:
+    """The rows of docs/running.md's table of guarantees that name a test which is not there (no `def NAME(` at the
+    top of the file named), or that name none and do not say "no test"; and the table itself where it is missing."""
+    section = page.partition(GUARANTEES)[2].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| guarantee |")]
+    problems = [] if rows else [f"docs/running.md has no table under {GUARANTEES!r}"]
+    for row in rows:
+        guarantee, held = [cell.strip() for cell in row.strip("|").split(" | ")]
+        named = re.findall(r"`([\w/]+\.py)::(\w+)`", held)
+        if not named and held != "no test":
+            problems.append(f"{guarantee}: names no test (write `tests/test_x.py::test_name`, or no test)")
+        for path, name in named:
+            source = ROOT / path
+            if not source.is_file() or not re.search(rf"^def {name}\(", source.read_text(), flags=re.M):
+                problems.append(f"{guarantee}: {path}::{name} does not exist")
+    return problems
+
+
+def test_every_test_the_table_of_guarantees_names_exists():
+    """docs/running.md's last section pairs each guarantee with the tests that hold it: every test named there is a
+    function of that name in that file (a parametrized one too), and a row names a test or says "no test"; the check
+    itself finds a planted renamed test, a planted missing file and a row that names nothing."""
+    assert unheld((ROOT / "docs" / "running.md").read_text()) == []
+    planted = (f"{GUARANTEES}\n\n| guarantee | held by |\n|---|---|\n"
+               "| kept | `tests/test_docs.py::test_every_test_the_table_of_guarantees_names_exists` |\n"
+               "| parametrized | `tests/test_eval.py::test_pass_at_k_against_enumeration` |\n"
+               "| renamed | `tests/test_docs.py::test_the_readme_is_short` |\n"
+               "| gone | `tests/test_nowhere.py::test_x` |\n| vague | the link tests |\n| honest | no test |\n"
+               "\n## Next\n\n| outside | `tests/test_docs.py::test_nothing` |\n")
+    assert unheld(planted) == ["renamed: tests/test_docs.py::test_the_readme_is_short does not exist",
+                               "gone: tests/test_nowhere.py::test_x does not exist",
+                               "vague: names no test (write `tests/test_x.py::test_name`, or no test)"]
+    assert unheld("# A page\n") == [f"docs/running.md has no table under {GUARANTEES!r}"]
