@@ -1,7 +1,8 @@
-"""Progress on the long waits (machinery.console, on tqdm): the plain lines a log file gets (how often, and their
-numbers: done of total, the elapsed time and the time left at the rate measured so far), a terminal's redrawn line,
-the bar vLLM's generate takes, and the line of each training step. A fake clock stands in for time: no assert depends
-on how fast anything runs.
+"""Progress on the long waits (machinery.console, on tqdm): the plain lines a log file gets (how often, tqdm's monitor
+thread included, none twice, and their numbers: done of total, the elapsed time and the time left at the rate
+measured so far), a terminal's redrawn line (a real pty's too), the real vLLM CPU engine's bar with n responses a
+problem, and the line of each training step (its time left without the first step's warm-up). A fake clock stands in
+for time: no assert depends on how fast anything runs.
 
     pytest -q tests/test_progress.py
 """
