@@ -12,6 +12,8 @@ import os
 import random
 import re
 import sys
+import types
+import typing
 
 import numpy as np
 import torch
@@ -75,9 +77,12 @@ def save(out: str, step: int, nets: dict, tokenizer, optimizers: dict, trainer_s
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
     runfolder.writes_into(out)
-    if dist.rank() == 0:
+    stuck = failure(runfolder.remove, tmp) if dist.rank() == 0 and os.path.lexists(tmp) else None  # an earlier save's
+    if dist.rank() == 0 and not stuck:
         clear_leftovers(out)
-    dist.barrier()
+    if stuck := dist.broadcast(stuck):  # never written into: write_model makes the folder new and empty
+        fail(f"cannot write checkpoint {final}: {tmp}, left by an earlier save, cannot be deleted ({stuck}); delete "
+             f"it by hand (the previous checkpoints are intact)")
     error = None
     for name, model in [(name, model) for name, model in nets.items() if model is not None]:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -109,17 +114,27 @@ def failure(write, *args) -> str | None:
 
 def write_model(tmp: str, name: str, model, full: dict, tokenizer):
     folder = tmp if name == "policy" else os.path.join(tmp, name)
-    runfolder.makedirs(folder)  # new (leftovers were cleared): nothing in it is a link
+    runfolder.new_folder(folder)  # anything left there fails it: nothing in the folder is a link
     model.save_pretrained(folder, state_dict=full)
     if name == "policy":
         tokenizer.save_pretrained(folder)
 
+# trainer_state.pt as a save writes it, each field's type (a dict: its fields'): write_rank_files holds it to this
+STATE = {"args": {"method": dict[str, typing.Any], "run": dict[str, typing.Any]},
+         "method": {"file": str, "sha256": str | None}, "inputs": dict[str, typing.Any],
+         "replay": list[list[list[dict[str, typing.Any]]]],  # batches of groups of samples
+         "progress": dict.fromkeys(("step", "rollouts", "tokens", "data_position", "bad_updates"), int),
+         "rng": dict[str, typing.Any], "world_size": int, "format": int}
+
 def write_rank_files(tmp: str, optimizers: dict, trainer_state: dict):
+    state = {**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT}
+    if problem := unlike(state, STATE, "state"):
+        raise ValueError(f"the trainer state to save is not what checkpoints.STATE says ({problem})")
     runfolder.makedirs(os.path.join(tmp, "optim"))
     with runfolder.open_file(optim_file(tmp, dist.rank()), "wb") as f:
         torch.save({name: optimizer_shard(optim) for name, optim in optimizers.items() if optim is not None}, f)
     with runfolder.open_file(state_file(tmp, dist.rank()), "wb") as f:
-        torch.save({**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT}, f)
+        torch.save(state, f)
 
 def put_in_place(out: str, tmp: str, final: str, step: int):
     """Rank 0, once every rank has written: the manifest, everything on the disk, then the rename."""
@@ -220,7 +235,6 @@ def base_dtype(source: str | None) -> torch.dtype:
 def cast_folder(folder: str, dtype: torch.dtype):
     """A folder's fp32 safetensors, then config.json, cast to dtype, each renamed over: safe to rerun after a kill."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
     if dtype not in models.SAFETENSORS_DTYPES:
         return
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -230,8 +244,7 @@ def cast_folder(folder: str, dtype: torch.dtype):
                 continue  # cast already, or not the fp32 weights a save writes
             trash = runfolder.fresh_folder(os.path.dirname(folder), ".trash-")
             cast = os.path.join(trash, os.path.basename(path))  # in a new folder: no link
-            save_file({k: weights.get_tensor(k).to(dtype).contiguous() for k in weights.keys()}, cast,
-                      metadata=weights.metadata())
+            write_cast(weights, cast, dtype)
         runfolder.sync_tree(trash)
         runfolder.replace(cast, path)
         runfolder.sync_folder(folder)
@@ -242,6 +255,23 @@ def cast_folder(folder: str, dtype: torch.dtype):
     if files and any(config.get(key) != name for key in keys):
         runfolder.replace_file(os.path.join(folder, "config.json"), [json.dumps(
             {**config, **{key: name for key in keys}}, indent=2, sort_keys=True) + "\n"])
+
+def write_cast(weights, path: str, dtype: torch.dtype):
+    """A new safetensors file of weights (an open safe_open) cast to dtype, one tensor in memory at a time (the whole
+    cast model would be 14 GB on the host at 7B): the JSON header's length (8 bytes, little-endian), the header (each
+    tensor's dtype, shape and byte range; spaces pad it to 8 bytes), then each tensor's bytes in the header's order."""
+    header, offset = {"__metadata__": weights.metadata()} if weights.metadata() else {}, 0
+    for name in weights.keys():
+        shape = weights.get_slice(name).get_shape()
+        end = offset + torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": models.SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with runfolder.open_file(path, "xb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name in weights.keys():
+            f.write(weights.get_tensor(name).to(dtype).reshape(-1).view(torch.uint8).numpy())
 
 class Refused(ValueError):
     """A file holds what the weights-only loader refuses: it was not written by remix, or it was changed."""
@@ -288,7 +318,7 @@ def verify(folder: str) -> str | None:
             return f"{full} differs from what was saved (its size or SHA-256 against {MANIFEST}): damaged or edited"
     return None
 
-def read(folder: str) -> tuple[dict, dict]:
+def read(folder: str, settings: type | None = None) -> tuple[dict, dict]:
     """This rank's trainer state and optimizer shard of a checkpoint matching its manifest, or ValueError (Refused)."""
     if problem := dist.broadcast(verify(folder) if dist.rank() == 0 else None):
         for path in (state_file(folder, dist.rank()), optim_file(folder, dist.rank())):
@@ -299,15 +329,53 @@ def read(folder: str) -> tuple[dict, dict]:
             except ValueError:  # garbled: the digest's line says it
                 pass
         raise ValueError(problem)
-    state = read_pt(state_file(folder, dist.rank()))
-    groups = state.get("args") if isinstance(state, dict) else None
-    if not (isinstance(groups, dict) and set(groups) == {"method", "run"}):
-        raise ValueError(f"{state_file(folder, dist.rank())} holds no settings this remix reads")
-    state = {**state, "args": {**groups["method"], **groups["run"]}}
-    return state, read_pt(optim_file(folder, dist.rank())) if state.get("world_size") == dist.world() else {}
+    state = check_state(read_pt(state_file(folder, dist.rank())), state_file(folder, dist.rank()), step_of(folder),
+                        settings)
+    return state, read_pt(optim_file(folder, dist.rank())) if state["world_size"] == dist.world() else {}
 
-def latest(out: str) -> tuple[str, dict, dict]:
-    """--resume's newest checkpoint all ranks read, this rank's state and shard; a bad newer one named, not deleted."""
+def check_state(state, path: str, step: int, settings: type | None = None) -> dict:
+    """A trainer state as a save writes it, its settings as one dict; else Refused naming the first thing that is not:
+    STATE's fields and types, each setting of its settings class's field type (a fork's own flag is check_writer's),
+    RNG states that restore, replayed samples that share fields and types, the step of its folder and its manifest."""
+    problems = [unlike(state, STATE, "state")]
+    if not problems[0]:
+        saved, hints = {**state["args"]["method"], **state["args"]["run"]}, typing.get_type_hints(settings or object)
+        samples = [sample for batch in state["replay"] for group in batch for sample in group]
+        kinds = {k: {type(s.get(k)) for s in samples} - {type(None)} for k in samples[0]} if samples else {}
+        odd = [k for s in samples for k in s.keys() ^ samples[0].keys()] + [k for k, t in kinds.items() if len(t) > 1]
+        rng = failure(set_rng_state, state["rng"])  # start() sets them again, after every rank reseeds
+        problems += [unlike({k: v for k, v in saved.items() if k in hints}, hints, "state.args"),
+                     odd and f"state.replay's samples differ in their field {odd[0]!r} (one lacks it, or types differ)",
+                     rng and f"state.rng cannot be restored ({rng})",
+                     state["progress"]["step"] != step and f"state.progress.step is {state['progress']['step']}, its "
+                                                           f"folder's and manifest's step {step}"]
+    if problem := next(filter(None, problems), None):
+        raise Refused(f"{path} is not a trainer state as this remix saves it: {problem}")
+    return {**state, "args": saved}
+
+def unlike(value, schema, where: str) -> str | None:
+    """Where value is not of schema, as "state.progress.step is '3'", or None. A schema is a dict (its fields, each of
+    its schema) or a type hint: a class (an int passes for a float), X | None, a Literal, list[X], tuple[X, ...],
+    dict[str, X], typing.Any."""
+    origin, parts = typing.get_origin(schema), typing.get_args(schema)
+    if isinstance(schema, dict) and isinstance(value, dict):
+        if odd := sorted(map(str, value.keys() ^ schema.keys())):
+            return f"{where}.{odd[0]} is {'missing' if odd[0] in schema else 'no field a save writes'}"
+        return next(filter(None, (unlike(value[k], part, f"{where}.{k}") for k, part in schema.items())), None)
+    if origin in (list, tuple, dict) and isinstance(value, dict if origin is dict else (list, tuple)):
+        items = value.items() if origin is dict else enumerate(value)  # an item's schema: dict[str, X]'s X, list[X]'s
+        return next(filter(None, (unlike(v, parts[origin is dict], f"{where}[{k!r}]") for k, v in items)), None)
+    if origin is typing.Literal:
+        fits = value in parts and type(value) in map(type, parts)
+    elif origin in (typing.Union, types.UnionType):
+        fits = any(unlike(value, part, where) is None for part in parts)
+    else:
+        fits = schema is typing.Any or type(value) is schema or (schema is float and type(value) is int)
+    return None if fits else f"{where} is {value!r:.60}"
+
+def latest(out: str, settings: type | None = None) -> tuple[str, dict, dict]:
+    """--resume's newest checkpoint all ranks read (settings: the run's settings class, whose field types its saved
+    settings must have), this rank's state and shard; a bad newer one named, not deleted."""
     if not os.path.isdir(out):
         fail(f"--resume {out!r}: no such run folder")
     found = [p for p in named(out) if os.path.islink(p) or any(os.path.lexists(os.path.join(p, name)) for name in (
@@ -334,7 +402,7 @@ def latest(out: str) -> tuple[str, dict, dict]:
     check_world(max(sum(os.path.lexists(state_file(f, r)) for r in range(dist.world())) for f in found))
     for folder in reversed(found):
         try:
-            state, optim, problem = *read(folder), None
+            state, optim, problem = *read(folder, settings), None
         except ValueError as error:
             state, optim, problem = None, None, (isinstance(error, Refused), str(error))
         gathered = sorted((p for p in dist.all_gather(problem) if p), reverse=True)  # a refusal first

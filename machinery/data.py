@@ -283,6 +283,10 @@ def file_digest(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
+def problems_digest(problems: list[tuple]) -> str:
+    """The SHA-256 of the (problem, answer) pairs a run trains on: the same data read from a file or the hub, one."""
+    return hashlib.sha256(json.dumps(problems).encode()).hexdigest()
+
 def model_record(model: str) -> dict | None:
     """{"revision", "files": {name: {"sha256", "size", "mtime_ns"}}} of the base model's safetensors; None uncached."""
     record = None
@@ -382,6 +386,10 @@ def check_data(args, saved: dict, recorded: dict, read: dict, accept: bool) -> d
     if isinstance(then, str) and isinstance(now, str) and then != now:
         changes.append(f"{who} {args.dataset} is at revision {now[:12]} (as the datasets library loads it here), the "
                        f"run began on {then[:12]} (with the hub in reach, a resume asks for that one)")
+    then, now = recorded.get("problems"), read.get("problems")
+    if not changes and isinstance(then, str) and then != now:  # whatever their source, a hub or a file
+        changes.append(f"{who} {args.dataset} holds other problems than the run began on (another SHA-256 of its "
+                       f"problems and answers as read)")
     then, now = recorded.get("eval_data_dir"), read.get("eval_data_dir") or {}
     old, folder = saved.get("eval_data_dir"), args.eval_data_dir or "the repository's data/benchmarks"
     for name, digest in sorted(then.items() if isinstance(then, dict) else []):

@@ -149,11 +149,12 @@ def memory(shape: Shape, args, world: int, offload: bool, gpu: bool, device_byte
             "checkpointing": checkpointing, "tokens": tokens, "width": width, "host_parts": host}
 
 def host(shape: Shape, args, world: int, local: int, offload: bool) -> float:
-    """A GPU node's host memory: processes, offloaded states, a save's whole fp32 model; at load, fp32 models."""
+    """A GPU node's host memory: processes, offloaded states, and a save's peak (rank 0's whole fp32 model, then every
+    rank's AdamW moments copied off its GPU to be written; a prune casts one tensor at a time); at load, fp32 models."""
     trained = shape.params + (shape.critic_params if args.algo == "ppo" else 0)
     step = 4 * max(shape.params, shape.critic_params if args.algo == "ppo" else 0)
-    steady = local * (PROCESS_HOST + ((16 * trained + step) / world if offload else 0)) \
-        + 4 * max(shape.params, shape.critic_params)
+    save = max(4 * max(shape.params, shape.critic_params), 0 if offload else local * 8 * trained / world)
+    steady = local * (PROCESS_HOST + ((16 * trained + step) / world if offload else 0)) + save
     return max(steady, local * (PROCESS_HOST + 4 * shape.params))
 
 # transformers' KV cache (--sampler hf) as transformers 5's DynamicCache and generate's _sample lay it out

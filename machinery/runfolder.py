@@ -295,14 +295,18 @@ def remove(path: str, missing_ok: bool = False):
             if not missing_ok:
                 raise
 
+def new_folder(path: str) -> str:
+    """A new empty folder at path (and its parents), never through a link: anything there, a link too, is
+    FileExistsError."""
+    with _folder(os.path.dirname(os.path.abspath(path)), create=True) as fd:
+        os.mkdir(os.path.basename(path), dir_fd=fd)
+    return path
+
 def fresh_folder(parent: str, prefix: str) -> str:
-    """A new empty folder parent/PREFIXrandom, never through a link."""
-    with _folder(parent) as fd:
-        while True:
-            name = f"{prefix}{secrets.token_hex(4)}"
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, 0o700, dir_fd=fd)
-                return os.path.join(parent, name)
+    """A new empty folder parent/PREFIXrandom."""
+    while True:
+        with contextlib.suppress(FileExistsError):
+            return new_folder(os.path.join(parent, f"{prefix}{secrets.token_hex(4)}"))
 
 def sync_tree(folder: str):
     """Every file and folder under folder, and folder itself, flushed to the disk, none through a link."""

@@ -130,7 +130,7 @@ class Session:
             if os.path.isdir(args.resume):
                 runfolder.lock(args.resume)  # first: a folder another job writes into is not read
             console.on_stop(lambda: f"while starting; {resume_line(args.resume)}")
-            self.checkpoint, self.state, self.optim_state = checkpoints.latest(args.resume)
+            self.checkpoint, self.state, self.optim_state = checkpoints.latest(args.resume, type(args))
             report.check_logs(args.resume)
             checkpoints.check_writer(args, self.state, self.written_by)
             done = self.state["progress"]["step"]
@@ -138,7 +138,7 @@ class Session:
             if done >= args.steps:  # nothing to do: say so, exit 0
                 say(f"{args.out} has finished all {args.steps} steps; give --resume a larger --steps to extend it")
                 raise SystemExit(0)
-            recorded = self.state.get("inputs") or {}
+            recorded = self.state["inputs"]
             data.check_resumed(args, self.state["args"], recorded, self.checkpoint)
         self.args = args = method.finalize(args)
         args.precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
@@ -166,7 +166,8 @@ class Session:
         self.max_chars = char_bound(tokenizer, args.max_prompt_tokens)  # longer problems cannot fit
         first_fitting_prompt(self.problems, self.encode, args.max_prompt_tokens, self.max_chars)
         read = {"dataset": dataset_read.get("sha256"), "dataset_revision": dataset_read.get("revision"),
-                "eval_data_dir": digests or None, "model": recorded.get("model")}
+                "eval_data_dir": digests or None, "model": recorded.get("model"),
+                "problems": data.problems_digest(self.problems)}
         self.inputs = data.check_data(args, self.state["args"], recorded, read, changed_data_ok) if args.resume \
             else read  # recorded with each checkpoint: a resume checks its inputs by them
         if not isinstance(self.inputs.get("model"), dict):

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
 from machinery import checkpoints, console, data, models, runfolder  # noqa: E402
-from tests.common import (ROOT, every_file, one_error_line, read_metrics, refused_in_one_line, run_remix,  # noqa: E402
-                          tiny_args, tiny_cli, two_step_ppo_run)
+from tests.common import (ROOT, every_file, one_error_line, read_metrics, refused_in_one_line,  # noqa: E402
+                          rewrite_manifest, run_remix, tiny_args, tiny_cli, two_step_ppo_run)
 
 DIFFERS = "differs from what was saved (its size or SHA-256 against manifest.json): damaged or edited"
 HELD = ("the optimizers' moments, the critic, the replay deque, the RNG states, the step and the place in the data")
@@ -66,11 +66,17 @@ class FakeTokenizer:
         pass
 
 
+def trainer_state(step: int, run: dict | None = None) -> dict:
+    """What Session.save hands checkpoints.save at step (no settings but run's, an empty deque)."""
+    return {"args": {"method": {}, "run": run or {}}, "method": {"file": "remix.py", "sha256": None}, "inputs": {},
+            "replay": [], "progress": {"step": step, "rollouts": 0, "tokens": 0, "data_position": 0, "bad_updates": 0}}
+
+
 def save(out: Path, step: int, keep_last: int) -> str:
     """checkpoints.save as a run calls it, without real models: the stand-in policy's model folder, a trainer state
     and an optimizer file of that step, and the manifest of them."""
-    return checkpoints.save(str(out), step, {"policy": FakePolicy()}, FakeTokenizer(), {},
-                            {"args": {"method": {}, "run": {}}, "progress": {"step": step}}, keep_last)
+    return checkpoints.save(str(out), step, {"policy": FakePolicy()}, FakeTokenizer(), {}, trainer_state(step),
+                            keep_last)
 
 
 def entries(out: Path) -> list[str]:
@@ -304,6 +310,51 @@ def test_a_checkpoint_name_that_is_a_link_is_replaced_in_one_line_and_its_target
     assert entries(out) == [] and entries(elsewhere) == ["notes.txt"]
 
 
+def immutable(path: Path, on: bool = True):
+    """chattr +i (-i): the path cannot be deleted, renamed or (a folder) emptied, by root too; skip where unsupported."""
+    done = subprocess.run(["chattr", "+i" if on else "-i", str(path)], capture_output=True, text=True)
+    if done.returncode and on:
+        pytest.skip(f"chattr +i is not supported here: {done.stderr.strip()}")
+
+
+@pytest.mark.parametrize("leftover", ["a-file-that-cannot-be-deleted", "links-in-a-folder-that-cannot-be-emptied"])
+def test_a_leftover_temporary_folder_that_cannot_be_deleted_stops_the_save_in_one_line(leftover, tmp_path, capsys):
+    """A .tmp-checkpoint-2 an earlier save left that cannot be deleted (chattr +i: a file in it, or the folder itself
+    holding links to files outside the run): the save of step 2 stops in one line naming it, exit 2, and writes
+    nothing (before, it wrote into the leftover: the save went on with the leftover's file in checkpoint-2, or it
+    wrote the policy through the links into the files outside)."""
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    save(out, 1, keep_last=0)
+    tmp, elsewhere_files = out / ".tmp-checkpoint-2", {"config.json": "not the run's", "model.safetensors": "mine"}
+    tmp.mkdir()
+    elsewhere.mkdir()
+    if leftover == "a-file-that-cannot-be-deleted":
+        (tmp / "stale.bin").write_bytes(b"half")
+        stuck = tmp / "stale.bin"
+    else:
+        for name, text in elsewhere_files.items():
+            (elsewhere / name).write_text(text)
+            (tmp / name).symlink_to(elsewhere / name)
+        stuck = tmp
+    before = digests(out / "checkpoint-1")
+    immutable(stuck)
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            save(out, 2, keep_last=0)
+    finally:
+        immutable(stuck, on=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err == [
+        f"remix: error: cannot write checkpoint {out / 'checkpoint-2'}: {tmp}, left by an earlier save, cannot be "
+        f"deleted (Operation not permitted); delete it by hand (the previous checkpoints are intact)"], err
+    assert entries(out) == [".tmp-checkpoint-2", "checkpoint-1"] and digests(out / "checkpoint-1") == before
+    assert {p.name: p.read_text() for p in elsewhere.iterdir()} == (
+        {} if leftover == "a-file-that-cannot-be-deleted" else elsewhere_files)  # nothing written through a link
+    assert sorted(p.name for p in tmp.iterdir()) == (["stale.bin"] if leftover == "a-file-that-cannot-be-deleted"
+                                                     else sorted(elsewhere_files))
+
+
 @pytest.mark.long
 @pytest.mark.slow
 def test_a_resume_skips_a_misnamed_copy_and_a_link_in_one_line_each_and_clears_leftovers(finished, tmp_path):
@@ -343,8 +394,8 @@ def policy_of(source: str):
 def save_policy(out: Path, step: int, keep_last: int, policy, tokenizer, base: str) -> str:
     """checkpoints.save as a run calls it, with a real policy and tokenizer and no optimizer; the trainer state names
     the base model, as a run's arguments do."""
-    return checkpoints.save(str(out), step, {"policy": policy}, tokenizer, {},
-                            {"args": {"method": {}, "run": {"model": base}}, "progress": {"step": step}}, keep_last)
+    return checkpoints.save(str(out), step, {"policy": policy}, tokenizer, {}, trainer_state(step, {"model": base}),
+                            keep_last)
 
 
 def inode(path: Path) -> tuple[int, int]:
@@ -436,10 +487,76 @@ def test_an_older_checkpoint_is_cast_to_the_base_models_dtype_and_the_newest_kee
     models.pretrained(str(out / "checkpoint-1"), torch.bfloat16)  # its weights are its config's
 
 
-@pytest.mark.parametrize("where", ["inside-save-file", "at-the-rename", "before-config-json"])
+CAST_MEASURE = """
+import os, sys, threading, time
+import torch
+from machinery import checkpoints, runfolder
+
+def anonymous():  # resident bytes less the file-backed ones (safetensors reads through a memory map): the heap's
+    resident, file_backed = map(int, open("/proc/self/statm").read().split()[1:3])
+    return (resident - file_backed) * os.sysconf("SC_PAGE_SIZE")
+
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], anonymous())
+        time.sleep(0.0005)
+
+folder, peak, done = sys.argv[1], [0], threading.Event()
+runfolder.writes_into(os.path.dirname(folder))
+before, watcher = anonymous(), threading.Thread(target=watch)
+watcher.start()
+checkpoints.cast_folder(folder, torch.bfloat16)
+done.set()
+watcher.join()
+print(peak[0] - before)
+"""
+
+
+def test_an_older_checkpoints_cast_holds_one_tensor_at_a_time_in_host_memory(tmp_path):
+    """A model folder of 16 fp32 tensors of 16 MiB (256 MiB) cast to bf16 in a fresh process, its heap sampled every
+    half millisecond: it grows by about one tensor read and cast (8 to 24 MiB measured), under three tensors' 48 MiB;
+    casting into one dict first held the whole bf16 model (128 MiB measured). The cast file holds each tensor."""
+    from safetensors.torch import load_file, save_file
+
+    folder, count, numbers = tmp_path / "run" / "checkpoint-1", 16, 4 * 2**20
+    folder.mkdir(parents=True)
+    save_file({f"w{i}": torch.full((numbers,), i + 0.5) for i in range(count)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    done = subprocess.run([sys.executable, "-c", CAST_MEASURE, str(folder)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    grown, tensor = int(done.stdout.split()[-1]), numbers * 4
+    assert tensor / 4 < grown < 3 * tensor, grown / 2**20  # half a bf16 tensor at least: the watch saw the cast
+    cast = load_file(str(folder / "model.safetensors"))
+    assert set(cast) == {f"w{i}" for i in range(count)} and all(
+        cast[f"w{i}"].dtype == torch.bfloat16 and torch.equal(cast[f"w{i}"], torch.full((numbers,), i + 0.5,
+                                                                                        dtype=torch.bfloat16))
+        for i in range(count))
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_the_plans_host_memory_counts_what_a_save_holds_by_hand():
+    """A save holds rank 0's whole fp32 model (4 bytes a parameter), then every rank's AdamW moments copied off its GPU
+    to be written (8 bytes a trained parameter, over the ranks); a prune casts a tensor at a time. 7B policy and a
+    6.5B critic (PPO): one rank 2 GB + 8 x 13.5B = 110 GB (the plan said 2 GB + 28 GB); two ranks on a node 4 GB +
+    108 GB; eight, the load's 8 x (2 + 28) GB is larger; with --offload the moments are on the host already."""
+    from machinery import plan
+
+    shape = plan.Shape(params=7e9, critic_params=6.5e9, tensors=300, hidden=4096, layers=32, intermediate=11008,
+                       vocab=32000, kv=1024, layer_params=200e6, root_params=260e6, side_bytes=0.0)
+    ppo, grpo = console.settings(remix.Args, algo="ppo"), console.settings(remix.Args, algo="grpo")
+    assert plan.host(shape, ppo, 1, 1, False) == 2e9 + 8 * 13.5e9 == 110e9
+    assert plan.host(shape, ppo, 2, 2, False) == 4e9 + 108e9
+    assert plan.host(shape, ppo, 8, 8, False) == 8 * (2e9 + 28e9)
+    assert plan.host(shape, grpo, 1, 1, False) == 2e9 + 56e9
+    assert plan.host(shape, ppo, 1, 1, True) == 2e9 + 16 * 13.5e9 + 28e9 + 28e9  # states, the step, rank 0's model
+
+
+@pytest.mark.parametrize("where", ["inside-the-write", "at-the-rename", "before-config-json"])
 def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_next_save_finishes(
         where, tiny_bf16_model, tmp_path, monkeypatch):
-    """The kill lands while safetensors' save_file has written half of checkpoint-1's bf16 file into a .trash-*
+    """The kill lands while checkpoints.write_cast has written half of checkpoint-1's bf16 file into a .trash-*
     folder, or once that file is whole there but before it is renamed over the fp32 one (either way the fp32 file is
     untouched and loads), or after the rename but before config.json says bf16 (the bf16 file is whole): checkpoint-1
     is a model folder whose weights load whole in every case, and the next save finishes the cast (the fp32 weights
@@ -452,15 +569,13 @@ def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_n
     save_policy(out, 1, 3, nudged(policy), tokenizer, tiny_bf16_model)
     weights_file, config_file = out / "checkpoint-1" / "model.safetensors", out / "checkpoint-1" / "config.json"
     fp32 = weights_file.read_bytes()
-    real_save_file, real_replace, real_replace_file, killed = (safetensors.torch.save_file, runfolder.replace,
-                                                               runfolder.replace_file, [])
+    real_write_cast, real_replace, real_replace_file, killed = (checkpoints.write_cast, runfolder.replace,
+                                                                runfolder.replace_file, [])
 
-    def half_written(tensors, filename, metadata=None):  # the process dies halfway through the write
-        if ".trash-" not in str(filename):  # transformers' own writes of checkpoint-2 go on
-            return real_save_file(tensors, filename, metadata=metadata)
-        data = safetensors.torch.save(tensors, metadata=metadata)
-        Path(filename).write_bytes(data[:len(data) // 2])
-        killed.append(filename)
+    def half_written(weights, path, dtype):  # the process dies halfway through the write
+        real_write_cast(weights, path, dtype)
+        os.truncate(path, os.path.getsize(path) // 2)
+        killed.append(path)
         raise KeyboardInterrupt
 
     def replace(source, target):
@@ -475,8 +590,8 @@ def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_n
             raise KeyboardInterrupt  # the bf16 file in place, config.json not yet saying so
         return real_replace_file(path, lines)
 
-    if where == "inside-save-file":
-        monkeypatch.setattr(safetensors.torch, "save_file", half_written)
+    if where == "inside-the-write":
+        monkeypatch.setattr(checkpoints, "write_cast", half_written)
     elif where == "at-the-rename":
         monkeypatch.setattr(runfolder, "replace", replace)
     else:
@@ -491,11 +606,11 @@ def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_n
     weights = checkpoint_weights(out / "checkpoint-1")  # whole: it loads
     trash = sorted(p for p in out.iterdir() if p.name.startswith(".trash-"))
     assert json.loads(config_file.read_text())["dtype"] == "float32"
-    if where in ("inside-save-file", "at-the-rename"):
+    if where in ("inside-the-write", "at-the-rename"):
         assert weights_file.read_bytes() == fp32
         assert len(trash) == 1 and entries(trash[0]) == ["model.safetensors"]  # the cast file, aside
         aside = trash[0] / "model.safetensors"
-        if where == "inside-save-file":
+        if where == "inside-the-write":
             with pytest.raises(SafetensorError):  # half a file: not loadable
                 checkpoint_weights(trash[0])
         else:
@@ -802,6 +917,109 @@ def test_a_manifest_that_is_no_list_of_the_checkpoints_own_files_is_named_in_one
     assert folder == str(out / "checkpoint-1") and len(said) == 1 and why in said[0] and \
         said[0].endswith(f"resuming from {out / 'checkpoint-1'} instead"), said
     assert all(Path(p).resolve().is_relative_to(out.resolve()) for p in opened), opened
+
+
+HAND_EDITS = {  # a field of checkpoint-2's trainer state removed or retyped, its manifest rewritten to match, and
+    # what the one line says of it
+    "world-size-removed": (lambda s: s.pop("world_size"), "state.world_size is missing"),
+    "a-flag-as-a-string": (lambda s: s["args"]["run"].update(offload="false"), "state.args.offload is 'false'"),
+    "a-rate-as-a-string": (lambda s: s["args"]["method"].update(actor_lr="1e-6"), "state.args.actor_lr is '1e-6'"),
+    "a-choice-not-offered": (lambda s: s["args"]["method"].update(algo="dpo"), "state.args.algo is 'dpo'"),
+    "numpy-rng-short": (lambda s: s["rng"]["numpy"].__setitem__(1, s["rng"]["numpy"][1][:7]),
+                        "state.rng cannot be restored ("),
+    "python-rng-junk": (lambda s: s["rng"].update(python=(3, (1, 2), None)), "state.rng cannot be restored ("),
+    "sample-without-reward": (lambda s: first_sample(s).pop("reward"),
+                              "state.replay's samples differ in their field 'reward' (one lacks it, or types differ)"),
+    "sample-reward-a-string": (lambda s: first_sample(s).update(reward="1"),
+                               "state.replay's samples differ in their field 'reward'"),
+    "replay-batch-a-string": (lambda s: s["replay"].insert(0, "junk"), "state.replay[0] is 'junk'"),
+    "step-of-checkpoint-1": (lambda s: s["progress"].update(step=1),
+                             "state.progress.step is 1, its folder's and manifest's step 2"),
+    "progress-count-removed": (lambda s: s["progress"].pop("tokens"), "state.progress.tokens is missing"),
+    "progress-count-a-float": (lambda s: s["progress"].update(rollouts=8.0), "state.progress.rollouts is 8.0"),
+    "method-record-retyped": (lambda s: s["method"].update(file=3), "state.method.file is 3"),
+    "settings-not-parted": (lambda s: s.update(args={**s["args"]["method"], **s["args"]["run"]}),
+                            "state.args.actor_lr is no field a save writes"),
+    "inputs-a-list": (lambda s: s.update(inputs=[]), "state.inputs is []"),
+}
+
+
+@pytest.mark.parametrize("edit", HAND_EDITS)
+def test_a_hand_edited_trainer_state_stops_the_resume_in_one_line_before_anything_is_written(edit, finished, tmp_path,
+                                                                                            capsys):
+    """checkpoint-2's trainer state edited by hand and its manifest rewritten to match (the digests pass): the resume
+    reads it through checkpoints.check_state, which holds it to what a save writes (STATE's fields and types, the
+    settings' types against the settings classes', the RNG states, the replayed samples' fields, the step), and stops
+    in one line naming the field, exit 2, before anything is written (plan.json included). Before, each ended in a
+    traceback after plan.json was rewritten, or (the step of checkpoint-1) resumed from step 1 over checkpoint-2."""
+    out = copy_of(finished, tmp_path)
+    change, said = HAND_EDITS[edit]
+    edit_state(out / "checkpoint-2", change)
+    rewrite_manifest(out / "checkpoint-2")
+    assert checkpoints.verify(str(out / "checkpoint-2")) is None
+    before = {name: value for name, value in digests(out).items() if name != runfolder.LOCK}
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            remix.train(console.settings(remix.Args, resume=str(out), steps=3))
+    finally:
+        runfolder.unlock()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(
+        f"remix: error: --resume {str(out)!r}: {out / 'checkpoint-2' / 'trainer_state.pt'} is not a trainer state as "
+        f"this remix saves it: {said}") and err[0].endswith(
+        f"If this folder is yours, remove {out / 'checkpoint-2'} to resume from the checkpoint before it"), err
+    assert {name: value for name, value in digests(out).items() if name != runfolder.LOCK} == before
+
+
+def test_a_run_on_a_hub_dataset_resumed_with_a_file_of_other_problems_stops_in_one_line(tiny_model, train_file,
+                                                                                       tmp_path, monkeypatch, capsys):
+    """A run on a hub dataset (faked in the datasets library's own cache, offline) records the SHA-256 of its problems
+    and answers as read; resumed with --dataset FILE, the file's are compared with them whatever the source: other
+    problems (one answer changed) stop the resume in one line before anything is written (before, it trained on
+    them); the same problems in a file go on."""
+    import datasets.config
+
+    from tests.test_model_folders import fake_hub_dataset, first_answer_changed, resume_refused
+
+    cache, out = tmp_path / "datasets", tmp_path / "run"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    fake_hub_dataset(cache, "org/tiny_set", train_file, "a" * 40, tmp_path / "build")
+    small = dict(algo="grpo", group_size=2, prompts_per_step=4, max_response_tokens=8, save_every=1)
+    try:
+        remix.train(tiny_args(tiny_model, "org/tiny_set", out, steps=1, **small))
+    finally:
+        runfolder.unlock()
+    other, same = tmp_path / "other.jsonl", tmp_path / "same.jsonl"
+    other.write_bytes(first_answer_changed(Path(train_file).read_bytes()))
+    shutil.copy(train_file, same)
+    problems = data.problems_of(data.read_dataset(str(same))[0], str(same), "problem", "answer")
+    assert checkpoints.read_pt(str(out / "checkpoint-1" / "trainer_state.pt"))["inputs"]["problems"] == \
+        hashlib.sha256(json.dumps(problems).encode()).hexdigest()
+    capsys.readouterr()
+    resume_refused(capsys, out, f"--resume {out}: --dataset {other} holds other problems than the run began on "
+                                f"(another SHA-256 of its problems and answers as read); put back (or give the place "
+                                f"of) the data the run began with, or pass --resume-changed-data", steps=2,
+                   dataset=str(other))
+    try:
+        remix.train(console.settings(remix.Args, resume=str(out), steps=2, dataset=str(same)))
+    finally:
+        runfolder.unlock()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_every_trainer_state_a_run_saved_is_what_check_state_reads(finished):
+    """The schema is what a save writes: both checkpoints of a real PPO run pass check_state with the settings class,
+    and their states hold exactly STATE's fields (a field a save adds, and forgets to add to STATE, stops its save)."""
+    for step in (1, 2):
+        path = str(finished / f"checkpoint-{step}" / "trainer_state.pt")
+        state = checkpoints.read_pt(path)
+        assert set(state) == set(checkpoints.STATE) and set(state["progress"]) == set(checkpoints.STATE["progress"])
+        checked = checkpoints.check_state(state, path, step, console.settings_type(remix.Args))
+        assert checked["args"] == {**state["args"]["method"], **state["args"]["run"]}
+    with pytest.raises(ValueError, match=r"not what checkpoints.STATE says \(state.extra is no field a save writes\)"):
+        checkpoints.write_rank_files(str(finished), {}, {**state, "extra": 1})
 
 
 def test_a_resume_of_a_folder_that_holds_no_run_deletes_nothing_in_it(tmp_path, capsys):
