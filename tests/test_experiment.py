@@ -46,7 +46,7 @@ def test_the_evaluation_during_training_is_eval_pys_on_the_checkpoint(tiny_model
     del state
     said = capsys.readouterr().out.splitlines()
     for step in (0, 1, 2):
-        lines = [line for line in said if line.startswith(f"remix: evaluation at step {step}: ")]
+        lines = [line for line in said if line.startswith(f"remix: evaluation at step {step}: ") and "|" in line]
         assert "| 0/6 [" in lines[0] and "| 6/6 [" in lines[-1] and "output:" in lines[-1], lines  # 6 responses
         assert all("\r" not in line for line in lines), lines
     assert [line.split(":")[1] for line in said if line.startswith("remix: step ")] == [" step 1/2", " step 2/2"]
