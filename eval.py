@@ -236,7 +236,7 @@ def prepare(args: EvalArgs, sizes: dict, saved: dict | None) -> list[dict]:
     the samples of the runs already finished there (all sizes[(label, benchmark)] of a run's samples written)."""
     out, settings, kept = Path(args.out), settings_of(args), []
     runfolder.lock(args.out, PROG)  # first: a folder another eval writes into is neither read nor written
-    odd = data.special_files(str(out), recursive=False) if dist.rank() == 0 else []
+    odd = data.special_files(str(out)) if dist.rank() == 0 else []
     if odd:  # nothing read or rewritten there may block
         fail(f"--out {out}: {odd[0]} is not a regular file (a FIFO, socket, device or link that cannot be read safely); "
              f"remove it")

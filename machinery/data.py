@@ -4,7 +4,6 @@ import contextlib
 import glob
 import hashlib
 import io
-import itertools
 import json
 import math
 import os
@@ -31,7 +30,7 @@ def is_hub_id(name: str) -> bool:
 def check_model_path(model: str, prog: str = "remix"):
     """A model that is not a hub id is an existing local folder with no FIFO in it and weights in *.safetensors."""
     if os.path.isdir(model):
-        if odd := special_files(model, recursive=False):
+        if odd := special_files(model):
             fail(f"cannot load model {model!r}: {odd[0]} is not a regular file (a FIFO, socket, device or link that "
                  f"cannot be read safely); remove it", prog)
         check_weight_files(f"model folder {model!r}", os.listdir(model), prog)
@@ -53,13 +52,10 @@ def check_weight_files(what: str, files: list[str], prog: str = "remix"):
              f"remix never unpickles a model; convert it to safetensors where you trust its source (transformers' "
              f"from_pretrained, then save_pretrained, writes model.safetensors)", prog)
 
-def special_files(folder: str, recursive: bool = True) -> list[str]:
-    """What in a folder (and subfolders) is no regular file once links are followed, or a linked subfolder; unopened."""
-    odd = []
-    for root, dirs, files in itertools.islice(os.walk(folder), None if recursive else 1):
-        odd += [os.path.join(root, n) for n in files if not os.path.isfile(os.path.join(root, n))]
-        odd += [os.path.join(root, n) for n in dirs if recursive and os.path.islink(os.path.join(root, n))]
-    return odd
+def special_files(folder: str) -> list[str]:
+    """What in a folder is no regular file once links are followed (a FIFO, socket, device, broken link); unopened."""
+    root, _, files = next(os.walk(folder), (folder, [], []))
+    return [os.path.join(root, n) for n in files if not os.path.isfile(os.path.join(root, n))]
 
 def check_hub(model: str, dataset: str | None = None, prog: str = "remix", benchmarks: tuple = ()):
     """The hub ids given (eval.py --hub: the benchmarks'), before anything loads, one request each and no retry (the
