@@ -241,14 +241,9 @@ class _Worker:
     and the task's folder last on sys.path (a json.py or torch.py in the working directory or beside a fork never
     runs); one OpenMP thread (a reward may use torch or numpy)."""
 
-    def __init__(self):
-        package = os.path.join(HERE, "machinery")
-        start = ("import importlib.util, sys; "
-                 f"spec = importlib.util.spec_from_file_location('machinery', {os.path.join(package, '__init__.py')!r}, "
-                 f"submodule_search_locations=[{package!r}]); "
-                 "sys.modules['machinery'] = importlib.util.module_from_spec(spec); "
-                 "spec.loader.exec_module(sys.modules['machinery']); "
-                 f"from machinery import grader; grader._serve({os.getpid()})")
+    def __init__(self):  # this machinery, whatever `machinery` PYTHONPATH holds; then its folder off sys.path
+        start = (f"import sys; sys.path.insert(0, {HERE!r}); from machinery import grader; del sys.path[0]; "
+                 f"grader._serve({os.getpid()})")
         (task_out, task_in), (answer_out, answer_in) = os.pipe(), os.pipe()
         self.proc = subprocess.Popen([sys.executable, "-P", "-c", start], stdin=task_out, stdout=answer_in,
                                      start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
