@@ -12,7 +12,6 @@ import os
 import random
 import re
 import sys
-import types
 import typing
 
 import numpy as np
@@ -128,7 +127,7 @@ STATE = {"args": {"method": dict[str, typing.Any], "run": dict[str, typing.Any]}
 
 def write_rank_files(tmp: str, optimizers: dict, trainer_state: dict):
     state = {**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT}
-    if problem := unlike(state, STATE, "state"):
+    if problem := console.unlike(state, STATE, "state"):
         raise ValueError(f"the trainer state to save is not what checkpoints.STATE says ({problem})")
     runfolder.makedirs(os.path.join(tmp, "optim"))
     with runfolder.open_file(optim_file(tmp, dist.rank()), "wb") as f:
@@ -244,7 +243,8 @@ def cast_folder(folder: str, dtype: torch.dtype):
                 continue  # cast already, or not the fp32 weights a save writes
             trash = runfolder.fresh_folder(os.path.dirname(folder), ".trash-")
             cast = os.path.join(trash, os.path.basename(path))  # in a new folder: no link
-            write_cast(weights, cast, dtype)
+            with runfolder.open_file(cast, "xb") as f:
+                models.write_cast(weights, f, dtype)
         runfolder.sync_tree(trash)
         runfolder.replace(cast, path)
         runfolder.sync_folder(folder)
@@ -255,23 +255,6 @@ def cast_folder(folder: str, dtype: torch.dtype):
     if files and any(config.get(key) != name for key in keys):
         runfolder.replace_file(os.path.join(folder, "config.json"), [json.dumps(
             {**config, **{key: name for key in keys}}, indent=2, sort_keys=True) + "\n"])
-
-def write_cast(weights, path: str, dtype: torch.dtype):
-    """A new safetensors file of weights (an open safe_open) cast to dtype, one tensor in memory at a time (the whole
-    cast model would be 14 GB on the host at 7B): the JSON header's length (8 bytes, little-endian), the header (each
-    tensor's dtype, shape and byte range; spaces pad it to 8 bytes), then each tensor's bytes in the header's order."""
-    header, offset = {"__metadata__": weights.metadata()} if weights.metadata() else {}, 0
-    for name in weights.keys():
-        shape = weights.get_slice(name).get_shape()
-        end = offset + torch.Size(shape).numel() * dtype.itemsize
-        header[name] = {"dtype": models.SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, end]}
-        offset = end
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with runfolder.open_file(path, "xb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for name in weights.keys():
-            f.write(weights.get_tensor(name).to(dtype).reshape(-1).view(torch.uint8).numpy())
 
 class Refused(ValueError):
     """A file holds what the weights-only loader refuses: it was not written by remix, or it was changed."""
@@ -337,14 +320,14 @@ def check_state(state, path: str, step: int, settings: type | None = None) -> di
     """A trainer state as a save writes it, its settings as one dict; else Refused naming the first thing that is not:
     STATE's fields and types, each setting of its settings class's field type (a fork's own flag is check_writer's),
     RNG states that restore, replayed samples that share fields and types, the step of its folder and its manifest."""
-    problems = [unlike(state, STATE, "state")]
+    problems = [console.unlike(state, STATE, "state")]
     if not problems[0]:
         saved, hints = {**state["args"]["method"], **state["args"]["run"]}, typing.get_type_hints(settings or object)
         samples = [sample for batch in state["replay"] for group in batch for sample in group]
         kinds = {k: {type(s.get(k)) for s in samples} - {type(None)} for k in samples[0]} if samples else {}
         odd = [k for s in samples for k in s.keys() ^ samples[0].keys()] + [k for k, t in kinds.items() if len(t) > 1]
         rng = failure(set_rng_state, state["rng"])  # start() sets them again, after every rank reseeds
-        problems += [unlike({k: v for k, v in saved.items() if k in hints}, hints, "state.args"),
+        problems += [console.unlike({k: v for k, v in saved.items() if k in hints}, hints, "state.args"),
                      odd and f"state.replay's samples differ in their field {odd[0]!r} (one lacks it, or types differ)",
                      rng and f"state.rng cannot be restored ({rng})",
                      state["progress"]["step"] != step and f"state.progress.step is {state['progress']['step']}, its "
@@ -352,26 +335,6 @@ def check_state(state, path: str, step: int, settings: type | None = None) -> di
     if problem := next(filter(None, problems), None):
         raise Refused(f"{path} is not a trainer state as this remix saves it: {problem}")
     return {**state, "args": saved}
-
-def unlike(value, schema, where: str) -> str | None:
-    """Where value is not of schema, as "state.progress.step is '3'", or None. A schema is a dict (its fields, each of
-    its schema) or a type hint: a class (an int passes for a float), X | None, a Literal, list[X], tuple[X, ...],
-    dict[str, X], typing.Any."""
-    origin, parts = typing.get_origin(schema), typing.get_args(schema)
-    if isinstance(schema, dict) and isinstance(value, dict):
-        if odd := sorted(map(str, value.keys() ^ schema.keys())):
-            return f"{where}.{odd[0]} is {'missing' if odd[0] in schema else 'no field a save writes'}"
-        return next(filter(None, (unlike(value[k], part, f"{where}.{k}") for k, part in schema.items())), None)
-    if origin in (list, tuple, dict) and isinstance(value, dict if origin is dict else (list, tuple)):
-        items = value.items() if origin is dict else enumerate(value)  # an item's schema: dict[str, X]'s X, list[X]'s
-        return next(filter(None, (unlike(v, parts[origin is dict], f"{where}[{k!r}]") for k, v in items)), None)
-    if origin is typing.Literal:
-        fits = value in parts and type(value) in map(type, parts)
-    elif origin in (typing.Union, types.UnionType):
-        fits = any(unlike(value, part, where) is None for part in parts)
-    else:
-        fits = schema is typing.Any or type(value) is schema or (schema is float and type(value) is int)
-    return None if fits else f"{where} is {value!r:.60}"
 
 def latest(out: str, settings: type | None = None) -> tuple[str, dict, dict]:
     """--resume's newest checkpoint all ranks read (settings: the run's settings class, whose field types its saved

@@ -17,6 +17,7 @@ import signal
 import sys
 import textwrap
 import time
+import types
 import typing
 from typing import Annotated, Literal
 
@@ -354,6 +355,26 @@ def within(value, bound: str) -> bool:
         return value >= float(bound[2:]) if bound.startswith(">=") else value > float(bound[1:])
     lo, hi = (float(x) for x in bound[4:-1].split(","))
     return (lo <= value if bound[3] == "[" else lo < value) and (value <= hi if bound[-1] == "]" else value < hi)
+
+def unlike(value, schema, where: str) -> str | None:
+    """Where value is not of schema, as "state.progress.step is '3'", or None. A schema is a dict (its fields, each of
+    its schema) or a type hint: a class (an int passes for a float), X | None, a Literal, list[X], tuple[X, ...],
+    dict[str, X], typing.Any."""
+    origin, parts = typing.get_origin(schema), typing.get_args(schema)
+    if isinstance(schema, dict) and isinstance(value, dict):
+        if odd := sorted(map(str, value.keys() ^ schema.keys())):
+            return f"{where}.{odd[0]} is {'missing' if odd[0] in schema else 'no field a save writes'}"
+        return next(filter(None, (unlike(value[k], part, f"{where}.{k}") for k, part in schema.items())), None)
+    if origin in (list, tuple, dict) and isinstance(value, dict if origin is dict else (list, tuple)):
+        items = value.items() if origin is dict else enumerate(value)  # an item's schema: dict[str, X]'s X, list[X]'s
+        return next(filter(None, (unlike(v, parts[origin is dict], f"{where}[{k!r}]") for k, v in items)), None)
+    if origin is typing.Literal:
+        fits = value in parts and type(value) in map(type, parts)
+    elif origin in (typing.Union, types.UnionType):
+        fits = any(unlike(value, part, where) is None for part in parts)
+    else:
+        fits = schema is typing.Any or type(value) is schema or (schema is float and type(value) is int)
+    return None if fits else f"{where} is {value!r:.60}"
 
 def env_number(name: str, default, bound: str, kind: type = int, prog: str = "remix"):
     """The environment variable name as a number of kind (default where unset), in bound or refused in one line."""

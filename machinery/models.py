@@ -1,6 +1,7 @@
 """The models: loading checked against the config, precision, the chunked output layer, collation, the guard."""
 
 import glob
+import json
 import math
 import os
 import sys
@@ -132,6 +133,22 @@ def weights_dtype(config) -> torch.dtype:
     dtype = getattr(config, "dtype", None)
     dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     return dtype if dtype in SAFETENSORS_DTYPES else torch.float32
+
+def write_cast(weights, f, dtype: torch.dtype):
+    """Into f (a new binary file), weights (an open safe_open) cast to dtype as safetensors, one tensor in memory at a
+    time (the whole cast model would be 14 GB on the host at 7B): the JSON header's length (8 bytes, little-endian),
+    the header (each tensor's dtype, shape and byte range; spaces pad it to 8 bytes), then each tensor's bytes."""
+    header, offset = {"__metadata__": weights.metadata()} if weights.metadata() else {}, 0
+    for name in weights.keys():
+        shape = weights.get_slice(name).get_shape()
+        end = offset + torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    f.write(len(text).to_bytes(8, "little") + text)
+    for name in weights.keys():
+        f.write(weights.get_tensor(name).to(dtype).reshape(-1).view(torch.uint8).numpy())
 
 def compute_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32

@@ -556,7 +556,7 @@ def test_the_plans_host_memory_counts_what_a_save_holds_by_hand():
 @pytest.mark.parametrize("where", ["inside-the-write", "at-the-rename", "before-config-json"])
 def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_next_save_finishes(
         where, tiny_bf16_model, tmp_path, monkeypatch):
-    """The kill lands while checkpoints.write_cast has written half of checkpoint-1's bf16 file into a .trash-*
+    """The kill lands while models.write_cast has written half of checkpoint-1's bf16 file into a .trash-*
     folder, or once that file is whole there but before it is renamed over the fp32 one (either way the fp32 file is
     untouched and loads), or after the rename but before config.json says bf16 (the bf16 file is whole): checkpoint-1
     is a model folder whose weights load whole in every case, and the next save finishes the cast (the fp32 weights
@@ -569,13 +569,14 @@ def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_n
     save_policy(out, 1, 3, nudged(policy), tokenizer, tiny_bf16_model)
     weights_file, config_file = out / "checkpoint-1" / "model.safetensors", out / "checkpoint-1" / "config.json"
     fp32 = weights_file.read_bytes()
-    real_write_cast, real_replace, real_replace_file, killed = (checkpoints.write_cast, runfolder.replace,
+    real_write_cast, real_replace, real_replace_file, killed = (models.write_cast, runfolder.replace,
                                                                 runfolder.replace_file, [])
 
-    def half_written(weights, path, dtype):  # the process dies halfway through the write
-        real_write_cast(weights, path, dtype)
-        os.truncate(path, os.path.getsize(path) // 2)
-        killed.append(path)
+    def half_written(weights, f, dtype):  # the process dies halfway through the write
+        real_write_cast(weights, f, dtype)
+        f.flush()
+        os.ftruncate(f.fileno(), f.tell() // 2)
+        killed.append(f.name)
         raise KeyboardInterrupt
 
     def replace(source, target):
@@ -591,7 +592,7 @@ def test_a_kill_while_casting_an_older_checkpoint_leaves_whole_weights_and_the_n
         return real_replace_file(path, lines)
 
     if where == "inside-the-write":
-        monkeypatch.setattr(checkpoints, "write_cast", half_written)
+        monkeypatch.setattr(models, "write_cast", half_written)
     elif where == "at-the-rename":
         monkeypatch.setattr(runfolder, "replace", replace)
     else:
