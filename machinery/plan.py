@@ -15,7 +15,8 @@ import torch
 from machinery import console, dist, engines, models
 
 GB, CLOSE = 1e9, 0.9  # a need above CLOSE (90%) of what is there is warned about
-PROCESS_HOST = 2.0e9  # one rank's process before its models: Python, torch, vLLM, grader workers (2.1 GB measured)
+PROCESS_HOST = 0.65e9  # one rank's process before its models: Python, torch, vLLM, the method (0.61 GB measured)
+WORKER_HOST = 0.3e9  # each grader worker, a fresh interpreter: torch, the method, math-verify (0.28 GB measured)
 CUDA_RUNTIME = 1.5e9  # per GPU: the CUDA context, NCCL's buffers, a sleeping engine's runtime allocations
 OUTPUT_BLOCKS = 5  # [chunk, vocab] fp32 blocks alive at once in the output layer's backward (measured: docs/memory.md)
 EVAL_RECORD, EVAL_TOKEN_BYTES = 1e3, 8  # allowances: a record's ids, answers, grades; JSON bytes per response token
@@ -134,7 +135,7 @@ def memory(shape: Shape, args, world: int, offload: bool, gpu: bool, device_byte
              "engine": args.vllm_gpu_memory_utilization * device_bytes if gpu and vllm
              else b * shape.params + engines.cpu_kv_cache_gib() * 2**30 if vllm else b * shape.params,
              "generation cache": sampler_cache(shape, args, world, b, lengths),
-             "runtime": CUDA_RUNTIME if gpu else PROCESS_HOST}
+             "runtime": CUDA_RUNTIME if gpu else process_host(args)}
     host = {k: parts[k] for k in ("weights (fp32 masters)", "gradients (fp32)", "AdamW moments (fp32)",
                                   "optimizer step (fp32)")} if offload else {}
     parts.update(dict.fromkeys(host, 0.0))
@@ -154,8 +155,12 @@ def host(shape: Shape, args, world: int, local: int, offload: bool) -> float:
     trained = shape.params + (shape.critic_params if args.algo == "ppo" else 0)
     step = 4 * max(shape.params, shape.critic_params if args.algo == "ppo" else 0)
     save = max(4 * max(shape.params, shape.critic_params), 0 if offload else local * 8 * trained / world)
-    steady = local * (PROCESS_HOST + ((16 * trained + step) / world if offload else 0)) + save
-    return max(steady, local * (PROCESS_HOST + 4 * shape.params))
+    steady = local * (process_host(args) + ((16 * trained + step) / world if offload else 0)) + save
+    return max(steady, local * (process_host(args) + 4 * shape.params))
+
+def process_host(args) -> float:
+    """A rank's process and its grader workers, before any model (RSS: docs/bench/grader_workers.md)."""
+    return PROCESS_HOST + args.grader_workers * WORKER_HOST
 
 # transformers' KV cache (--sampler hf) as transformers 5's DynamicCache and generate's _sample lay it out
 def hf_cache(shape, rows: int, positions: int, b: int) -> float:
