@@ -517,14 +517,11 @@ def draw(folders, out: str) -> dict:
 
 def save(fig, path: str):
     """One figure as a PNG file, written anew and renamed into place (runfolder.new_file): a link or a FIFO there is
-    replaced, never written through; a link on the way is refused in one line."""
+    replaced, never written through; a link on the way is refused in one line (runner.main's, as every write's)."""
     import matplotlib.pyplot as plt
 
-    try:
-        with runfolder.new_file(path, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
-    except runfolder.Unwritable as error:
-        fail(str(error))
+    with runfolder.new_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
 
 
