@@ -105,7 +105,6 @@ def check_dataset(path: str, prog: str = "remix"):
 
 def read_dataset(path: str, prog: str = "remix", revision: str | None = None) -> tuple[list[dict], dict]:
     """The rows of --dataset and what names them: {"sha256"} of the local bytes parsed, or a hub one's {"revision"}."""
-    check_dataset(path, prog)
     if not path.endswith(LOCAL_FORMS):
         rows, commit = hub_rows(path, revision=revision, prog=prog)
         return rows, {"revision": commit}
