@@ -38,7 +38,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import remix  # noqa: E402
 from machinery import console, dist, engines, grader, models, report  # noqa: E402
-from tests.common import (DATA, ROOT, TRAIN, full_state, plain_copy, read_metrics, tiny_args,  # noqa: E402, F401
+from tests.common import (DATA, ROOT, TRAIN, full_state, math_reward, plain_copy, read_metrics, tiny_args,  # noqa: E402, F401
                           wait_into_step_3)
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
@@ -61,7 +61,7 @@ from tests.tiny_model import build_tiny_model  # noqa: E402
 ])
 def test_math_reward(response, answer, expected):
     """The answer check as eval.py and the evaluation during training run it: in a grader worker, 4 s deadline."""
-    assert report.math_reward(remix.METHOD, response, answer) == expected
+    assert math_reward(remix.METHOD, response, answer) == expected
 
 
 def test_unbalanced_boxes_empty_answers_and_grader_errors_score_zero(monkeypatch):

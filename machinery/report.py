@@ -113,10 +113,6 @@ def grade_many(method, items: list[tuple[str, list[str]]], workers: int = 2, tim
     return grader.map_with_deadline(grade_any, [(check, *item) for item in items], workers, timeout,
                                     (0.0, "timeout"), warm=method.warm, warm_args=method.warm_args)
 
-def math_reward(method, response: str, answer) -> float:
-    """The method's answer check of one response, in a worker: math_reward(remix.METHOD, "\\boxed{2}", 2) -> 1.0."""
-    return grade_many(method, [(response, [data.answer_text(answer)])], timeout=4.0)[0][0]
-
 def grade(method, samples: list[dict], workers: int, timeout: float, second=None):
     """Sets each sample's `correct`, `status`, `extracted`; by a second check (DeepScaleR's) `correct_deepscaler`."""
     items = [(s["response"], s["answers"]) for s in samples]

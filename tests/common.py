@@ -192,3 +192,11 @@ def load_problems(path: str, problem_key: str, answer_key: str) -> list[tuple[st
     from machinery import data
 
     return data.problems_of(data.read_dataset(path)[0], path, problem_key, answer_key)
+
+
+def math_reward(method, response: str, answer) -> float:
+    """The method's answer check of one response, as eval.py and the evaluation during training run it (in a grader
+    worker, report.grade_many), with a 4 s deadline: math_reward(remix.METHOD, "\\boxed{2}", 2) -> 1.0."""
+    from machinery import data, report
+
+    return report.grade_many(method, [(response, [data.answer_text(answer)])], timeout=4.0)[0][0]

@@ -25,9 +25,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
-from machinery import console, engines, report  # noqa: E402
-from tests.common import (ROOT, bad_values, load_problems, one_error_line, read_metrics, rewrite_manifest,  # noqa: E402
-                          run_remix, tiny_args, tiny_cli, two_step_ppo_run)
+from machinery import console, engines  # noqa: E402
+from tests.common import (ROOT, bad_values, load_problems, math_reward, one_error_line, read_metrics,  # noqa: E402
+                          rewrite_manifest, run_remix, tiny_args, tiny_cli, two_step_ppo_run)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,11 +424,11 @@ def test_answers_of_any_stored_type_grade_alike_and_unusable_rows_are_skipped_wi
     assert load_problems(str(path), "problem", "answer") == [("a", "5"), ("b", "5"), ("c", "5")]
     out = capsys.readouterr().out
     assert "skipped 6 of 9 rows" in out and "row 4" in out
-    assert report.math_reward(remix.METHOD, "so \\boxed{5}", 5) == report.math_reward(remix.METHOD, "so \\boxed{5}", "5") == 1.0
-    assert report.math_reward(remix.METHOD, "\\boxed{None}", "5") == 0.0
+    assert math_reward(remix.METHOD, "so \\boxed{5}", 5) == math_reward(remix.METHOD, "so \\boxed{5}", "5") == 1.0
+    assert math_reward(remix.METHOD, "\\boxed{None}", "5") == 0.0
     for bad in (None, "", ["5"], True, float("nan")):
         with pytest.raises(ValueError, match="must be a non-empty string or a number"):
-            report.math_reward(remix.METHOD, "\\boxed{5}", bad)
+            math_reward(remix.METHOD, "\\boxed{5}", bad)
 
 
 def test_a_regrade_never_iterates_a_string_answer(tmp_path):

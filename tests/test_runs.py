@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # also run as a
 import remix  # noqa: E402
 from machinery import checkpoints, console, data, dist, engines, grader, models, report, runner  # noqa: E402
 from test_remix import prepared_update_case, run_update  # noqa: E402
-from tests.common import DATA, ROOT, full_state, load_problems, read_metrics, tiny_args, wait_into_step_3  # noqa: E402
+from tests.common import (DATA, ROOT, full_state, load_problems, math_reward, read_metrics, tiny_args,  # noqa: E402
+                          wait_into_step_3)
 
 HERE = ROOT
 
@@ -308,7 +309,7 @@ def test_math_reward_never_hangs_or_raises(response):
     included) when the previous input's timeout killed the last one."""
 
     start = time.perf_counter()
-    assert report.math_reward(remix.METHOD, response, "1") == 0.0
+    assert math_reward(remix.METHOD, response, "1") == 0.0
     assert time.perf_counter() - start < 10.0
 
 
@@ -390,7 +391,8 @@ def test_one_non_finite_update_is_skipped_and_the_run_carries_on_with_finite_wei
 # The grader from any caller; a checkpoint that cannot be written
 # ----------------------------------------------------------------------------------------------
 GRADE = ("import sys, time; sys.path.insert(0, {here!r}); import remix; from machinery import report; "
-         "start = time.perf_counter(); reward = lambda r: report.math_reward(remix.METHOD, r, '2'); "
+         "start = time.perf_counter(); "
+         "reward = lambda r: report.grade_many(remix.METHOD, [(r, ['2'])], timeout=4.0)[0][0]; "
          "print(reward('so \\\\boxed{{2}}'), reward('\\\\boxed{{3}}'), "
          "round(time.perf_counter() - start, 1))")
 

@@ -14,7 +14,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
-from machinery import report  # noqa: E402
+from tests.common import math_reward  # noqa: E402
 from tests.tiny_model import build_tokenizer  # noqa: E402
 from toy import toy  # noqa: E402
 
@@ -29,9 +29,9 @@ def test_both_answer_styles_grade_right_and_a_wrong_sum_grades_wrong():
     digits = (9, 0, 7, 4, 6)
     answer = toy.problem(digits)["answer"]
     assert answer == "26"
-    assert report.math_reward(remix.METHOD, toy.worked_answer(digits, True), answer) == 1.0
-    assert report.math_reward(remix.METHOD, toy.worked_answer(digits, False), answer) == 1.0
-    assert report.math_reward(remix.METHOD, "9+0=9 9+7=16 16+4=20 20+6=27 \\boxed{27}", answer) == 0.0
+    assert math_reward(remix.METHOD, toy.worked_answer(digits, True), answer) == 1.0
+    assert math_reward(remix.METHOD, toy.worked_answer(digits, False), answer) == 1.0
+    assert math_reward(remix.METHOD, "9+0=9 9+7=16 16+4=20 20+6=27 \\boxed{27}", answer) == 0.0
 
 
 def test_longest_worked_answer_fits_the_response_limit():

@@ -9,7 +9,7 @@
     python toy/toy.py --method remix_mine.py --method-args="--my-flag 0.3"   # with flags of its own, for its runs
     python toy/toy.py --forks --out runs/forks   # every fork of docs/forks against remix.py: forks.md
 
-The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.py's answer check (report.math_reward).
+The toy: "What is 3 + 5 + 8 + 2?" for 3 to 5 digits, graded by remix.py's answer check (report.grade_many).
 The base model is a tiny Qwen2 (hidden 128, 2 layers, byte-level tokenizer plus one token for the fixed
 instruction) trained by supervised learning on two answer styles: a quarter of the targets work the running sums
 out before the box ('3+5=8 8+8=16 16+2=18 \\boxed{18}', up to 42 tokens), the rest give the bare '\\boxed{18}'
@@ -179,7 +179,7 @@ def worked_answer(digits: tuple, scratchpad: bool) -> str:
 
 
 def pass_at_1(model, tokenizer, problems: list[dict], temperature: float = 0.0) -> tuple[float, float, float]:
-    """Held-out Pass@1 graded by math_reward's grader, the mean response length, and the share of
+    """Held-out Pass@1 graded by report.grade_many, the mean response length, and the share of
     responses that work the sums out before the box. Temperature 0 is greedy; above 0, one sample per
     problem from a fixed seed, leaving the caller's RNG streams alone."""
     import torch
