@@ -112,7 +112,6 @@ def load_method(path: str | None):
 
 
 def suffix_of(args: EvalArgs) -> str:
-    """--prompt-suffix, or the method's default."""
     return args.prompt_suffix if args.prompt_suffix is not None else load_method(args.method).Args.prompt_suffix
 
 
@@ -465,7 +464,6 @@ def read_runs(folders) -> dict:
 
 
 def series(records: list[dict], x: str, y: str) -> tuple[list, list]:
-    """The (x, y) points of the records that hold both keys as numbers, in step order."""
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     points = [(r[x], r[y]) for r in sorted(records, key=lambda r: r["step"]) if number(r.get(x)) and number(r.get(y))]
     return [p[0] for p in points], [p[1] for p in points]

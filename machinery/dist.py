@@ -59,7 +59,6 @@ def local_world(prog: str = "remix") -> int:
     return console.env_number("LOCAL_WORLD_SIZE", world(), f"in [1, {world()}]", int, prog)
 
 def device() -> torch.device:
-    """This rank's device (init's choice; the CPU before init)."""
     return _device[0] if _device else torch.device("cpu")
 
 def rank() -> int:
@@ -110,7 +109,6 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 def all_gather(obj) -> list:
-    """Every rank's object, in rank order, on every rank."""
     if world() == 1:
         return [obj]
     gathered = [None] * world()
@@ -118,7 +116,6 @@ def all_gather(obj) -> list:
     return gathered
 
 def broadcast(obj):
-    """Rank 0's object on every rank."""
     if world() == 1:
         return obj
     box = [obj]

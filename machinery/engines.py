@@ -80,7 +80,6 @@ def vllm_llm_class():
         return thread.submit(load).result()  # its error raised again in the caller's thread
 
 def cpu_kv_cache_gib(prog: str = "remix") -> int:
-    """The CPU engine's KV cache in GiB: VLLM_CPU_KVCACHE_SPACE checked as a flag is, or CPU_KV_CACHE_GIB."""
     return console.env_number("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB, "in [1, 1048576]", int, prog)
 
 def stop(llm):
@@ -91,7 +90,6 @@ def stop(llm):
 
 @contextlib.contextmanager
 def kept_threads():
-    """torch's CPU thread count after the block is what it was before."""
     threads = torch.get_num_threads()
     try:
         yield
@@ -133,7 +131,6 @@ def vllm_generate(llm, prompts: list[list[int]], n: int, seeds: list[int], tempe
              for c in o.outputs] for o in outputs]
 
 def sleeps(llm) -> bool:
-    """Whether the engine was started with sleep mode (--vllm-sleep where vLLM has it)."""
     return llm is not None and llm.llm_engine.model_config.enable_sleep_mode
 
 def sleep(llm):
@@ -179,7 +176,6 @@ def warnings_from(name: str):
         logger.propagate = propagate
 
 def hf_batch(args) -> int:
-    """Prompts per transformers generate call: --hf-batch-prompts, else --mini-batch-prompts."""
     return args.hf_batch_prompts or args.mini_batch_prompts
 
 @torch.no_grad()

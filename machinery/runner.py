@@ -100,7 +100,6 @@ class Method:
         return {"file": os.path.basename(path), "sha256": data.file_digest(path)}
 
 def resume_line(out: str) -> str:
-    """What a stopped run leaves to continue: its newest complete checkpoint, or nothing."""
     found = checkpoints.complete(out)
     return f"the last checkpoint is {found[-1]}; continue with --resume {out}" if found else \
         "the last checkpoint is none yet; nothing to resume"
@@ -264,7 +263,6 @@ class Session:
         return False
 
     def steps(self):
-        """The steps still to run."""
         for step in range(self.progress["step"] + 1, self.args.steps + 1):
             console.check_interrupted()
             self.step, self.laps, self.clock = step, {}, time.perf_counter()
