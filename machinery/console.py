@@ -344,15 +344,13 @@ def ranges(cls) -> dict[str, str]:
     return found
 
 def within(value, bound: str) -> bool:
-    """Whether value satisfies a range written as 'in [0, 1)', 'in (0, 1]', '0 or in [0.01, 100]', '>= 1', ..."""
+    """Whether value satisfies a range written as 'in [0, 1)', 'in (0, 1]', '0 or in [0.01, 100]' (both bounds)."""
     if isinstance(value, float) and not math.isfinite(value):
         return False
     if " or " in bound:
         point, bound = bound.split(" or ", 1)
         if value == float(point):
             return True
-    if bound.startswith(">"):
-        return value >= float(bound[2:]) if bound.startswith(">=") else value > float(bound[1:])
     lo, hi = (float(x) for x in bound[4:-1].split(","))
     return (lo <= value if bound[3] == "[" else lo < value) and (value <= hi if bound[-1] == "]" else value < hi)
 
