@@ -8,7 +8,6 @@ onto one form math-verify reads as it, never two values onto one; text groups ar
 """
 
 import atexit
-import contextlib
 import ctypes
 import hashlib
 import importlib
@@ -253,8 +252,7 @@ class _Worker:
         self.todo, self.warmed, self.task, self.deadline = [], set(), None, math.inf
 
     def kill(self):
-        with contextlib.suppress(OSError):
-            self.proc.kill()
+        self.proc.kill()  # Popen's: nothing where the process has ended
         self.proc.wait()
         self.tasks.close()
         self.answers.close()
@@ -287,7 +285,8 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
                     worker.deadline = time.monotonic() + IMPORT_SECONDS
                 except OSError:  # it died between two tasks (killed): the item goes to its replacement
                     todo[:0] = [worker.task] if worker.task != WARM else []
-                    _pool[i] = _replace(worker)
+                    worker.kill()
+                    _pool[i] = _Worker()
         wait = min(w.deadline for w in _pool) - time.monotonic()
         readable = connection.wait([w.answers for w in _pool], max(min(wait, 1.0), 0.0))
         for i, worker in enumerate(_pool):
@@ -315,11 +314,8 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
                 results[worker.task], done = value if status == "ok" else on_timeout, done + 1
             worker.task, worker.deadline = None, math.inf
             if status != "ok":  # past its deadline, or killed (mid-task or warming up): a new worker takes its place
-                _pool[i] = _replace(worker)
-
-def _replace(worker: _Worker) -> _Worker:
-    worker.kill()
-    return _Worker()
+                worker.kill()
+                _pool[i] = _Worker()
 
 def close_pool():
     """End the worker processes; the next call starts fresh ones."""
