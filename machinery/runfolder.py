@@ -119,13 +119,6 @@ def holder(out: str) -> str:
                 return f.read(200).strip() or "another process"
     return "another process"
 
-def unlock():
-    while _locks:
-        handle, folder = _locks.pop()
-        handle.close()
-        if folder is not None:
-            os.close(folder)
-
 def prepare_out(out: str, overwrite: bool):
     """A new run never silently replaces an old one's logs and checkpoints (--overwrite removes them first)."""
     found = [p for pattern in RUN_FILES for p in glob.glob(os.path.join(out, pattern))]

@@ -24,8 +24,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import remix  # noqa: E402
-from machinery import console, data, dist, plan, runfolder, runner  # noqa: E402
-from tests.common import ROOT, tiny_args  # noqa: E402
+from machinery import console, data, dist, plan, runner  # noqa: E402
+from tests.common import ROOT, tiny_args, unlock  # noqa: E402
 
 R1_15B = str(ROOT / "benchmarks" / "configs" / "deepseek-r1-distill-qwen-1.5b.json")
 GB = 1e9
@@ -267,7 +267,7 @@ def test_a_small_run_of_a_large_vocabulary_model_fits_a_24_gb_cpu_machine(tiny_m
         assert longest < 300 and kept["memory"]["tokens"] == 16 * (longest + 24)
         assert kept["host"] < 24 * GB
     finally:
-        runfolder.unlock()
+        unlock()
     old = plan.memory(plan.shape_of(str(folder)), dataclasses.replace(session.args, mini_batch_prompts=10**4,
                                                                       prompts_per_step=10**4), 1, False,
                       False, 0.0)

@@ -32,7 +32,7 @@ import eval as eval_cli  # noqa: E402
 import remix  # noqa: E402
 from machinery import checkpoints, console, data, models, runfolder  # noqa: E402
 from tests.common import (ROOT, every_file, one_error_line, read_metrics, refused_in_one_line,  # noqa: E402
-                          rewrite_manifest, run_remix, tiny_args, tiny_cli, two_step_ppo_run)
+                          rewrite_manifest, run_remix, tiny_args, tiny_cli, two_step_ppo_run, unlock)
 
 DIFFERS = "differs from what was saved (its size or SHA-256 against manifest.json): damaged or edited"
 HELD = ("the optimizers' moments, the critic, the replay deque, the RNG states, the step and the place in the data")
@@ -966,7 +966,7 @@ def test_a_hand_edited_trainer_state_stops_the_resume_in_one_line_before_anythin
         with pytest.raises(SystemExit) as exit_info:
             remix.train(console.settings(remix.Args, resume=str(out), steps=3))
     finally:
-        runfolder.unlock()
+        unlock()
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(
         f"remix: error: --resume {str(out)!r}: {out / 'checkpoint-2' / 'trainer_state.pt'} is not a trainer state as "
@@ -993,7 +993,7 @@ def test_a_run_on_a_hub_dataset_resumed_with_a_file_of_other_problems_stops_in_o
     try:
         remix.train(tiny_args(tiny_model, "org/tiny_set", out, steps=1, **small))
     finally:
-        runfolder.unlock()
+        unlock()
     other, same = tmp_path / "other.jsonl", tmp_path / "same.jsonl"
     other.write_bytes(first_answer_changed(Path(train_file).read_bytes()))
     shutil.copy(train_file, same)
@@ -1008,7 +1008,7 @@ def test_a_run_on_a_hub_dataset_resumed_with_a_file_of_other_problems_stops_in_o
     try:
         remix.train(console.settings(remix.Args, resume=str(out), steps=2, dataset=str(same)))
     finally:
-        runfolder.unlock()
+        unlock()
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
@@ -1051,7 +1051,7 @@ def test_a_resume_past_a_damaged_checkpoint_completes_from_the_previous_one(dama
     try:
         remix.train(console.settings(remix.Args, resume=str(out), steps=3))
     finally:
-        runfolder.unlock()
+        unlock()
     said = capsys.readouterr().out.splitlines()
     assert [line for line in said if line.startswith("remix: --resume:")] == [
         line for line in said if re.fullmatch(fallback_line(out, damage), line)] != [], said
@@ -1118,7 +1118,7 @@ def test_a_run_saved_before_the_settings_parted_is_refused_on_resume_in_one_line
         with pytest.raises(SystemExit) as exit_info:
             remix.train(console.settings(remix.Args, resume=str(out), steps=3))
     finally:
-        runfolder.unlock()
+        unlock()
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and err == [
         f"remix: error: --resume {str(out)!r}: the run was written by another version of remix (trainer state format "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.common import ROOT, run_remix, tiny_cli
+from tests.common import ROOT, run_remix, tiny_cli, unlock
 
 # ----------------------------------------------------------------------------------------------
 # The static walk: no raw write outside machinery/runfolder.py
@@ -132,7 +132,7 @@ def written_folder(tmp_path):
     out.mkdir()
     runfolder.writes_into(str(out))
     yield out, tmp_path / "outside.txt"
-    runfolder.unlock()
+    unlock()
 
 
 def no_folder_locks(monkeypatch):
@@ -413,7 +413,7 @@ def resume_in_process(capsys):
         except SystemExit as exit_info:
             code = exit_info.code
         finally:
-            runfolder.unlock()  # the folder is locked by this process until it ends
+            unlock()  # the folder is locked by this process until it ends
         captured = capsys.readouterr()
         return types.SimpleNamespace(returncode=code, stderr=captured.err, stdout=captured.out)
     return start

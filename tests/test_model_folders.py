@@ -24,8 +24,9 @@ from torch._inductor.exc import InductorError
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import remix  # noqa: E402
-from machinery import checkpoints, console, data, engines, models, runfolder  # noqa: E402
-from tests.common import ROOT, one_error_line, read_metrics, refused_in_one_line, run_remix, tiny_cli  # noqa: E402
+from machinery import checkpoints, console, data, engines, models  # noqa: E402
+from tests.common import (ROOT, one_error_line, read_metrics, refused_in_one_line, run_remix, tiny_cli,  # noqa: E402
+                          unlock)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -594,7 +595,7 @@ def resume_refused(capsys, out: Path, message: str, **given):
         with pytest.raises(SystemExit) as exit_info:
             remix.train(console.settings(remix.Args, resume=str(out), **given))
     finally:
-        runfolder.unlock()  # the folder is locked by this process until it ends; the resume after is another
+        unlock()  # the folder is locked by this process until it ends; the resume after is another
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], err
     assert snapshot(out) == before
@@ -679,7 +680,7 @@ def recorded(tiny_model, train_file, tmp_path_factory):
                               eval_benchmarks=("aime24",), eval_data_dir=str(bench), algo="grpo", group_size=2,
                               prompts_per_step=4, max_response_tokens=8))
     finally:
-        runfolder.unlock()
+        unlock()
     return types.SimpleNamespace(base=base, data=data, bench=bench, out=out)
 
 
@@ -718,7 +719,7 @@ def test_a_dataset_edited_in_place_is_named_on_resume_and_goes_on_only_when_aske
         try:
             remix.train(console.settings(remix.Args, resume=str(out), steps=2, resume_changed_data=True))
         finally:
-            runfolder.unlock()
+            unlock()
         assert "going on with it as it is now (--resume-changed-data)" in capsys.readouterr().out
         state = checkpoints.read_pt(str(out / "checkpoint-2" / "trainer_state.pt"))
         assert state["inputs"]["dataset"] == hashlib.sha256(recorded.data.read_bytes()).hexdigest()  # from now on
@@ -750,7 +751,7 @@ def test_the_dataset_is_read_once_and_its_digest_is_of_the_bytes_parsed(tiny_mod
     try:
         session = runner.Session(tiny_args(tiny_model, train_file, tmp_path / "out"), remix.METHOD)
     finally:
-        runfolder.unlock()
+        unlock()
     assert len(opened) == 1, opened
     assert session.inputs["dataset"] == hashlib.sha256(Path(train_file).read_bytes()).hexdigest()
 
@@ -878,7 +879,7 @@ def test_a_hub_dataset_is_checked_by_the_revision_it_began_on(tiny_model, train_
         remix.train(tiny_args(tiny_model, "org/tiny_set", out, steps=1, save_every=1, algo="grpo", group_size=2,
                               prompts_per_step=4, max_response_tokens=8))
     finally:
-        runfolder.unlock()
+        unlock()
     state = checkpoints.read_pt(str(out / "checkpoint-1" / "trainer_state.pt"))
     assert (state["inputs"]["dataset"], state["inputs"]["dataset_revision"]) == (None, first)
     edited_rows = tmp_path / "edited.jsonl"

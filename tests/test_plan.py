@@ -20,8 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import remix  # noqa: E402
-from machinery import console, data, plan, runfolder, runner  # noqa: E402
-from tests.common import ROOT, full_state, read_metrics, tiny_args  # noqa: E402
+from machinery import console, data, plan, runner  # noqa: E402
+from tests.common import ROOT, full_state, read_metrics, tiny_args, unlock  # noqa: E402
 
 CONFIGS = ROOT / "benchmarks" / "configs"
 R1_15B = str(CONFIGS / "deepseek-r1-distill-qwen-1.5b.json")
@@ -188,7 +188,7 @@ def test_a_close_run_is_warned_about_and_goes_on_and_its_plan_is_kept(tiny_model
         assert kept["disk"]["peak"] == need and kept["rows"][0][0] == "disk"
         assert session.plan["disk"]["peak"] == need
     finally:
-        runfolder.unlock()
+        unlock()
 
 
 def test_a_gpu_that_cannot_hold_the_run_names_offload(tiny_model, train_file, tmp_path, monkeypatch, capsys):
