@@ -153,12 +153,9 @@ def check(args: EvalArgs):
 
 def trained_by(model: str) -> dict | None:
     """The record of the method that trained a checkpoint (read without running anything), or None."""
-    path = os.path.join(model, "trainer_state.pt")
-    if not os.path.isfile(path):
-        return None
     try:
-        state = checkpoints.read_pt(path)
-    except (ValueError, OSError):  # a damaged state trains nothing here: the evaluation goes on without the line
+        state = checkpoints.read_pt(os.path.join(model, "trainer_state.pt"))
+    except (ValueError, OSError):  # none (a hub id, a plain model) or a damaged one: the evaluation goes on without it
         return None
     record = state.get("method") if isinstance(state, dict) else None
     return record if isinstance(record, dict) and isinstance(record.get("file"), str) else None
