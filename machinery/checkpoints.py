@@ -418,8 +418,6 @@ def check_writer(args, state: dict, mine: dict):
     """--resume by the method that wrote the run (mine: runner.Method.record()), or one line naming both unless
     --resume-other-method; a saved setting this method's Args lacks (a fork's own flag) is refused, never dropped."""
     theirs, fields = state.get("method"), {f.name for f in dataclasses.fields(args)}
-    if not (isinstance(theirs, dict) and isinstance(theirs.get("file"), str)):
-        fail(f"--resume {args.resume}: the run's record of the method that wrote it is damaged ({theirs!r:.80})")
     if (theirs["file"], theirs.get("sha256")) != (mine["file"], mine["sha256"]) and not args.resume_other_method:
         by_mine, by_theirs = (f"{r['file']} (sha256 {str(r.get('sha256'))[:12]})" for r in (mine, theirs))
         how = (f"this {by_mine} is another version of it" if theirs["file"] == mine["file"] else

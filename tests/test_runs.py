@@ -199,8 +199,6 @@ def test_a_resume_by_another_method_or_with_an_unknown_saved_flag_is_one_line(ca
     other = console.settings(remix.Args, resume="runs/x", resume_other_method=True)
     checkpoints.check_writer(other, {"method": theirs, "args": saved}, mine)
     checkpoints.check_writer(args, {"method": mine, "args": saved}, mine)
-    one_line_exit(capsys, lambda: checkpoints.check_writer(args, {"args": saved}, mine),
-                  "the run's record of the method that wrote it is damaged (None)")
     for who in (args, other):
         one_line_exit(capsys, lambda: checkpoints.check_writer(who, {"method": mine, "args": {**saved, "clip_eps_high":
                                                                                               0.28}}, mine),
