@@ -96,12 +96,12 @@ def progress(label: str, total: int, unit: str = "problems", prog: str = "remix"
                 maxinterval=10.0 if tty else 30.0, disable=_state["rank"] != 0 or total <= 0,
                 dynamic_ncols=tty and not size, **size)  # smoothing 0: the rate so far
 
-def engine_progress(label: str | None, responses: int, prog: str = "remix", stream=None):
+def engine_progress(label: str | None, responses: int, prog: str = "remix"):
     """What vLLM's generate(use_tqdm=...) takes in place of tqdm: a bar of all the responses under label, whatever
     total vLLM passes (its requests: n a prompt in vLLM 0.32); False without a label or on the other ranks (vLLM
     divides by a bar's elapsed time, which a disabled one leaves at 0)."""
     def bar(iterable=None, **ignored):
-        return iterable if iterable is not None else progress(label, responses, "responses", prog, stream)
+        return iterable if iterable is not None else progress(label, responses, "responses", prog)
     return bar if _state["rank"] == 0 and label else False
 
 def duration(seconds: float) -> str:
