@@ -95,13 +95,13 @@ def problem_text(value, where: str = "the problem") -> str:
         return value
     raise ValueError(f"{where} is {value!r:.60}: a problem must be a non-empty string")
 
-def check_dataset(path: str, prog: str = "remix"):
+def check_dataset(path: str):
     """One line, before the hub is asked anything, for a --dataset that is no local .jsonl/.json/.parquet or hub id."""
     if not path.endswith(LOCAL_FORMS) and (os.path.lexists(path) or not is_hub_id(path)
                                            or os.path.splitext(path)[1].lower() in OTHER_FILES):
         what = "a folder" if os.path.isdir(path) else "a file of another form" if os.path.lexists(path) else \
             "neither a local file nor a hub id"
-        fail(f"dataset {path!r} is {what}: pass a local .jsonl, .json or .parquet file, or a hub id (org/name)", prog)
+        fail(f"dataset {path!r} is {what}: pass a local .jsonl, .json or .parquet file, or a hub id (org/name)")
 
 def read_dataset(path: str, prog: str = "remix", revision: str | None = None) -> tuple[list[dict], dict]:
     """The rows of --dataset and what names them: {"sha256"} of the local bytes parsed, or a hub one's {"revision"}."""
@@ -133,13 +133,13 @@ def read_dataset(path: str, prog: str = "remix", revision: str | None = None) ->
         rows = parse_rows(text, path, prog)
     return rows, {"sha256": hashlib.sha256(raw).hexdigest()}
 
-def problems_of(rows: list[dict], path: str, problem_key: str, answer_key: str, prog: str = "remix") -> list[tuple]:
+def problems_of(rows: list[dict], path: str, problem_key: str, answer_key: str) -> list[tuple]:
     """(problem, answer) pairs of the rows; unusable ones are skipped and counted, no usable row is one line."""
     if not rows:
-        fail(f"dataset {path!r} holds no rows", prog)
+        fail(f"dataset {path!r} holds no rows")
     if missing := next((i for i, row in enumerate(rows, 1) if problem_key not in row or answer_key not in row), None):
         fail(f"dataset {path!r}: row {missing} lacks {problem_key!r} or {answer_key!r} (the first row has the columns "
-             f"{sorted(rows[0])}); set --problem-key/--answer-key", prog)
+             f"{sorted(rows[0])}); set --problem-key/--answer-key")
     problems, bad = [], []
     for number, row in enumerate(rows, 1):
         try:
@@ -148,10 +148,10 @@ def problems_of(rows: list[dict], path: str, problem_key: str, answer_key: str, 
         except ValueError as error:
             bad.append(f"row {number}: {error}")
     if not problems:
-        fail(f"dataset {path!r} has no usable row ({bad[0]})", prog)
+        fail(f"dataset {path!r} has no usable row ({bad[0]})")
     if bad:
         say(f"dataset {path!r}: skipped {len(bad)} of {len(rows)} rows with an unusable problem or answer "
-            f"(first: {bad[0]})", prog)
+            f"(first: {bad[0]})")
     return problems
 
 def parse_rows(text: str, path: str, prog: str = "remix") -> list[dict]:

@@ -131,25 +131,25 @@ def prepare_out(out: str, overwrite: bool):
             remove(path)
     dist.barrier()
 
-def check_out(out: str, prog: str = "remix"):
+def check_out(out: str):
     """--out can be written and is not inside another run's folder (whose rotation would delete it); creates nothing."""
     parents = [os.path.abspath(out), *map(str, pathlib.PurePath(os.path.abspath(out)).parents)]
     for parent in parents[1:]:
         if any(os.path.isfile(os.path.join(parent, n)) for n in ("metrics.jsonl", LOCK, "trainer_state.pt")) \
                 or glob.glob(os.path.join(parent, "checkpoint-*", "trainer_state.pt")):
-            console.fail(f"--out {out} is inside the run folder {parent}: choose a folder outside it", prog)
+            console.fail(f"--out {out} is inside the run folder {parent}: choose a folder outside it")
     existing = next(p for p in parents if os.path.exists(p))
     if not os.path.isdir(existing):
-        console.fail(f"--out {out} is under {existing}, which is a file, not a folder", prog)
+        console.fail(f"--out {out} is under {existing}, which is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        console.fail(f"--out {out}: {existing} is not writable", prog)
+        console.fail(f"--out {out}: {existing} is not writable")
 
-def check_writes(out: str, planned: list[tuple], prog: str = "remix"):
+def check_writes(out: str, planned: list[tuple]):
     """Each planned (path under out, kind[, a library's own links]) is free, or one line names the first that is not.
     kind: "folder", "tree" (a library's folder), "file" (written whole), "append", "replaced"; nothing is created."""
     for path, kind, *allowed in planned:
         if problem := _in_the_way(out, path, kind, *allowed):
-            console.fail(problem, prog)
+            console.fail(problem)
 
 def _in_the_way(out: str, path: str, kind: str, allowed: tuple = ()) -> str | None:
     parts = path.split(os.sep)
