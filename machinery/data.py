@@ -103,34 +103,34 @@ def check_dataset(path: str):
             "neither a local file nor a hub id"
         fail(f"dataset {path!r} is {what}: pass a local .jsonl, .json or .parquet file, or a hub id (org/name)")
 
-def read_dataset(path: str, prog: str = "remix", revision: str | None = None) -> tuple[list[dict], dict]:
+def read_dataset(path: str, revision: str | None = None) -> tuple[list[dict], dict]:
     """The rows of --dataset and what names them: {"sha256"} of the local bytes parsed, or a hub one's {"revision"}."""
     if not path.endswith(LOCAL_FORMS):
-        rows, commit = hub_rows(path, revision=revision, prog=prog)
+        rows, commit = hub_rows(path, revision=revision)
         return rows, {"revision": commit}
     try:
         if not stat.S_ISREG(mode := os.stat(path).st_mode):
-            fail(f"dataset {path!r} is {'a folder, not a file' if stat.S_ISDIR(mode) else 'not a regular file'}", prog)
+            fail(f"dataset {path!r} is {'a folder, not a file' if stat.S_ISDIR(mode) else 'not a regular file'}")
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id", prog)
+        fail(f"dataset file {path!r} does not exist; pass an existing .jsonl/.json/.parquet or a hub id")
     except OSError as error:
-        fail(f"cannot read dataset file {path!r}: {error.strerror}", prog)
+        fail(f"cannot read dataset file {path!r}: {error.strerror}")
     if not raw:
-        fail(f"dataset file {path!r} is empty", prog)
+        fail(f"dataset file {path!r} is empty")
     if path.endswith(".parquet"):
         import pandas as pd
         try:
             rows = pd.read_parquet(io.BytesIO(raw)).to_dict("records")
         except Exception as error:  # pyarrow's errors for a damaged file have no common type
-            fail(f"cannot read dataset {path!r} as parquet: {str(error).splitlines()[0]}", prog)
+            fail(f"cannot read dataset {path!r} as parquet: {str(error).splitlines()[0]}")
     else:
         try:
             text = raw.decode("utf-8").replace("\r\n", "\n")
         except UnicodeDecodeError as error:
-            fail(f"dataset {path!r} is not UTF-8 text (byte {error.start}: {error.reason})", prog)
-        rows = parse_rows(text, path, prog)
+            fail(f"dataset {path!r} is not UTF-8 text (byte {error.start}: {error.reason})")
+        rows = parse_rows(text, path)
     return rows, {"sha256": hashlib.sha256(raw).hexdigest()}
 
 def problems_of(rows: list[dict], path: str, problem_key: str, answer_key: str) -> list[tuple]:
