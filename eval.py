@@ -497,7 +497,9 @@ def draw(folders, out: str) -> dict:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         fig.tight_layout()
-        save(fig, os.path.join(out, name))
+        with runfolder.new_file(os.path.join(out, name), "wb") as f:  # renamed into place: a link or FIFO is replaced
+            fig.savefig(f, format="png", dpi=100)
+        plt.close(fig)
 
     for name, x, x_label in (("pass1_vs_rollouts.png", "rollouts/total", "rollouts"),
                              ("pass1_vs_tokens.png", "rollouts/generated_tokens", "generated tokens")):
@@ -508,16 +510,6 @@ def draw(folders, out: str) -> dict:
         ("self-reflection rate, training samples", "step", "step", "response/self_reflection")])
     console.say(f"drew {', '.join(drawn)} in {out}", PROG)
     return drawn
-
-
-def save(fig, path: str):
-    """One figure as a PNG file, written anew and renamed into place (runfolder.new_file): a link or a FIFO there is
-    replaced, never written through; a link on the way is refused in one line (runner.main's, as every write's)."""
-    import matplotlib.pyplot as plt
-
-    with runfolder.new_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

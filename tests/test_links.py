@@ -39,7 +39,7 @@ ALLOWED = {
     ("machinery/checkpoints.py", "write_rank_files", "torch.save"),  # into a file runfolder.open_file opened (twice)
     ("machinery/report.py", "__init__", "SummaryWriter"),  # OUT/tb, made and checked for links by check_tree first
     ("machinery/report.py", "__init__", "wandb.init"),  # wandb.init(dir=OUT): OUT/wandb checked by check_tree first
-    ("eval.py", "save", "fig.savefig"),  # into a file object runfolder.new_file opened
+    ("eval.py", "figure", "fig.savefig"),  # into a file object runfolder.new_file opened
     ("machinery/checkpoints.py", "cast_folder", "save_file"),  # into a .trash-* folder runfolder.fresh_folder just made
     ("machinery/console.py", "drop", "os.open"),  # /dev/null, onto stdout or stderr once it cannot be written
     ("machinery/console.py", "drop_unwritable_output", "os.open"),  # /dev/null, onto a standard descriptor closed
