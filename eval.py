@@ -256,9 +256,7 @@ def prepare(args: EvalArgs, sizes: dict, saved: dict | None) -> list[dict]:
 
 def start_sampler(args: EvalArgs, prompts: list[list[int]]):
     """The engine (vLLM) or the model (transformers), its weights checked against its config as they load."""
-    import torch
-
-    precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
+    precision = args.precision or ("bf16" if dist.device().type == "cuda" else "fp32")
     if args.sampler == "vllm":
         settings = console.settings(
             load_method(args.method).Args, model=args.model, seed=args.seed, vllm_tp=args.vllm_tp, precision=precision,
