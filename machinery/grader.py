@@ -196,12 +196,9 @@ def last_boxed(text: str) -> str | None:
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"), text.rfind("\\framebox{"))
     if start < 0:
         return None
-    depth, begin = 0, text.index("{", start) + 1
-    for i in range(begin - 1, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i]
-    return None
+    begin = text.index("{", start)
+    end = _balanced(text, begin)
+    return text[begin + 1 : end - 1] if end > 0 else None
 
 # Workers: fresh interpreters fed over pipes (not forks of the caller: docs/bench/grader_workers.md measures why)
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder that holds machinery/
