@@ -32,9 +32,6 @@ _DEGREE_IN_TEXT = re.compile(r"\\(?:text|mathrm)\s*\{\s*(?:°|\\degree)\s*[CF]?\
                              + _MARK + r"\s*(?:\\(?:text|mathrm|rm)\s*\{\s*[CF]\s*\}|\{\s*\\rm\s+[CF]\s*\})")
 _DEGREE = re.compile(_MARK + r"(?:\s*[CF](?![A-Za-z]))?")
 
-def _degrees_in_text(s: str) -> str:
-    return _DEGREE_IN_TEXT.sub(r"^{\\circ}", s)
-
 def _degrees(s: str) -> str:
     return _DEGREE.sub(r"^{\\circ}", s)
 
@@ -186,7 +183,7 @@ def _math_parts(s: str, rule) -> str:
 
 def rewrite(expression: str) -> str:
     """The answer in notation math-verify parses as its writer meant."""
-    s = _degrees_in_text(expression)
+    s = _DEGREE_IN_TEXT.sub(r"^{\\circ}", expression)  # text groups included: the degree forms that hold one
     for rule in _MATH_RULES:
         s = _math_parts(s, rule)
     return re.sub(r"\s+", " ", s).strip()
