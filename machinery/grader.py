@@ -73,9 +73,8 @@ def _balanced(s: str, i: int) -> int:
     return -1
 
 def _code(s: str) -> str:
-    if "." in s:
-        s = _LIBRARY_CONSTANT.sub(lambda m: {"pi": "\\pi", "e": "e", "inf": "\\infty"}[m[1]], s)
-        s = _LIBRARY.sub("", s)
+    s = _LIBRARY_CONSTANT.sub(lambda m: {"pi": "\\pi", "e": "e", "inf": "\\infty"}[m[1]], s)
+    s = _LIBRARY.sub("", s)
     s = _FUNCTION.sub(r"\\\1", s)
     while m := _SQRT_CALL.search(s):  # `sqrt(2)`, `\sqrt(2)` -> `\sqrt{2}`
         end = _balanced(s, m.end() - 1)
@@ -134,8 +133,6 @@ _NUMBER_PRIME = re.compile(r"(?<![\w.^_])(\d+(?:\.\d*)?)\s*" + _PRIME_MARKS)
 _PRIME = re.compile(r"(\\[A-Za-z]+|_[A-Za-z0-9]|[A-Za-z]|[)\]}])" + _PRIME_MARKS)
 
 def _primes(s: str) -> str:
-    if "'" not in s and "\\prime" not in s:
-        return s
     s = _NUMBER_PRIME.sub(r"\1", s)
     return _PRIME.sub(lambda m: m[1] + "^{" + "\\prime" * (m[0].count("'") or m[0].count("\\prime")) + "}", s)
 
