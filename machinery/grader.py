@@ -10,7 +10,6 @@ onto one form math-verify reads as it, never two values onto one; text groups ar
 import atexit
 import ctypes
 import hashlib
-import importlib
 import importlib.util
 import inspect
 import math
