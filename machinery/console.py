@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
-import math
 import os
 import re
 import signal
@@ -344,9 +343,8 @@ def ranges(cls) -> dict[str, str]:
     return found
 
 def within(value, bound: str) -> bool:
-    """Whether value satisfies a range written as 'in [0, 1)', 'in (0, 1]', '0 or in [0.01, 100]' (both bounds)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return False
+    """Whether value satisfies a range written as 'in [0, 1)', 'in (0, 1]', '0 or in [0.01, 100]' (both bounds, finite:
+    inf and nan fail a comparison with one)."""
     if " or " in bound:
         point, bound = bound.split(" or ", 1)
         if value == float(point):
