@@ -126,11 +126,7 @@ def read_dataset(path: str, revision: str | None = None) -> tuple[list[dict], di
         except Exception as error:  # pyarrow's errors for a damaged file have no common type
             fail(f"cannot read dataset {path!r} as parquet: {str(error).splitlines()[0]}")
     else:
-        try:
-            text = raw.decode("utf-8").replace("\r\n", "\n")
-        except UnicodeDecodeError as error:
-            fail(f"dataset {path!r} is not UTF-8 text (byte {error.start}: {error.reason})")
-        rows = parse_rows(text, path)
+        rows = parse_rows(raw, path)
     return rows, {"sha256": hashlib.sha256(raw).hexdigest()}
 
 def problems_of(rows: list[dict], path: str, problem_key: str, answer_key: str) -> list[tuple]:
@@ -154,8 +150,12 @@ def problems_of(rows: list[dict], path: str, problem_key: str, answer_key: str) 
             f"(first: {bad[0]})")
     return problems
 
-def parse_rows(text: str, path: str, prog: str = "remix") -> list[dict]:
-    """JSON lines, or a JSON list of objects (a text starting '['); one object over several lines is refused."""
+def parse_rows(raw: bytes, path: str, prog: str = "remix") -> list[dict]:
+    """UTF-8 JSON lines, or a JSON list of objects (a text starting '['); one object over several lines is refused."""
+    try:
+        text = raw.decode("utf-8").replace("\r\n", "\n")
+    except UnicodeDecodeError as error:
+        fail(f"dataset {path!r} is not UTF-8 text (byte {error.start}: {error.reason})", prog)
     stripped = text.lstrip()
     if stripped.startswith("{") and _loads(stripped.split("\n", 1)[0], path, "", prog, quiet=True) is None and \
             _loads(text, path, "", prog, quiet=True) is not None:

@@ -67,11 +67,7 @@ def read_benchmark(name: str, data_dir: str | None, limit: int | None, hub: bool
         if not (path := folder / local).is_file():
             fail(f"benchmark file {str(path)!r} does not exist (expected {local} in the benchmark folder)", prog)
         raw = path.read_bytes()
-        try:
-            text = raw.decode("utf-8").replace("\r\n", "\n")
-        except UnicodeDecodeError as error:
-            fail(f"benchmark file {str(path)!r} is not UTF-8 text (byte {error.start})", prog)
-        rows, where, digest = data.parse_rows(text, str(path), prog), str(path), hashlib.sha256(raw).hexdigest()
+        rows, where, digest = data.parse_rows(raw, str(path), prog), str(path), hashlib.sha256(raw).hexdigest()
     problems = []
     for i, row in enumerate(rows[:limit]):
         try:
