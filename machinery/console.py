@@ -400,7 +400,7 @@ def check_args(args, world: int):
                f"--off-policy-p {args.off_policy_p}: raise --prompts-per-step"),
               (args.algo == "ppo" or args.group_size >= 2,
                "--algo grpo needs --group-size >= 2 (a group of one always has advantage 0)"),
-              (n_fresh % world == 0 and n_history % world == 0 and args.prompts_per_step % world == 0,
+              (n_fresh % world == 0 and n_history % world == 0,
                f"--prompts-per-step {args.prompts_per_step} ({n_fresh} fresh + {n_history} historical at p = "
                f"{args.off_policy_p}) cannot split into whole groups over {world} processes: make each a multiple "
                f"of {world}"),

@@ -379,8 +379,7 @@ def method_options(args) -> list[list[dict]]:
 def splits(args, ranks: int) -> bool:
     """Whether a step's fresh and historical prompts split into whole groups, and its vLLM engines, over `ranks`."""
     fresh = round((1.0 - args.off_policy_p) * args.prompts_per_step)
-    return all(n % ranks == 0 for n in (fresh, args.prompts_per_step - fresh, args.prompts_per_step)) \
-        and ranks % args.vllm_tp == 0
+    return all(n % ranks == 0 for n in (fresh, args.prompts_per_step - fresh)) and ranks % args.vllm_tp == 0
 
 def joint(options: list[list[dict]], fits) -> list[dict]:
     """The strongest step of each option until the run fits, less those it does not need; [] where all do not fit."""
