@@ -81,18 +81,13 @@ def _lock_file(path: str):
                 with _parent(path) as (fd, name):
                     if not os.path.samestat(os.stat(name, dir_fd=fd, follow_symlinks=False), os.fstat(old)):
                         continue  # renamed away since it was opened: look again
-            aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-            remove(aside, missing_ok=True)
-            handle = open_file(aside, "x")
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                handle.write(f"{socket.gethostname()} {os.getpid()}\n")
-                handle.flush()
-                replace(aside, path)
-            except BaseException:
-                handle.close()
-                remove(aside, missing_ok=True)
-                raise
+            with contextlib.ExitStack() as closed_unless_renamed:
+                with new_file(path) as new:  # locked before the rename: no other job takes the file at path first
+                    fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    new.write(f"{socket.gethostname()} {os.getpid()}\n")
+                    handle = os.fdopen(os.dup(new.fileno()), "w")  # the same open file: its lock outlives new's close
+                    closed_unless_renamed.enter_context(handle)
+                closed_unless_renamed.pop_all()
             handle.buffer.raw.name = path
             return handle
         except FileNotFoundError:
