@@ -226,8 +226,5 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
                             use_tqdm=console.engine_progress(label, len(batch) * n, prog)) if batch else []
     texts = [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish, _ in group]
              for group in raw]
-    out = [None] * len(prompts)
-    for indices, groups in dist.all_gather((mine, texts) if dist.rank() % tp == 0 else ([], [])):
-        for i, group in zip(indices, groups):
-            out[i] = group
-    return out
+    gathered = dist.all_gather(texts if dist.rank() % tp == 0 else [])  # by rank: each engine's share, in prompt order
+    return [group for part in gathered for group in part]
