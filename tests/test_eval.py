@@ -40,6 +40,7 @@ RESPONSES = ["Let me compute step by step. So the answer is \\boxed{%s}.",
              "<think>Maybe it is \\boxed{0}? No, check again.</think>\n\nFinal answer: \\boxed{%s}"]
 
 
+@pytest.mark.slow
 def test_grader_on_every_benchmark_answer():
     """A response ending in the gold answer grades right on >= 99.5% of the 1,600 problems of the six files;
     the same response with a changed number grades wrong on >= 99%."""
