@@ -272,7 +272,6 @@ def check(args, source: str, prog: str = "remix", lengths: Lengths | None = None
         lengths = dataclasses.replace(lengths, prompt=measure_prompt())  # the data's longest prompt, not the flag's
         plan, rows = judged(shape, args, world, local, offload, machine, lengths)
     plan.update(shape=dataclasses.asdict(shape), world=world, machine=machine, lengths=dataclasses.asdict(lengths),
-                free=machine["disks"][0][1], existing=machine["existing"], host_available=machine["host"],
                 device_bytes=machine["device"] and machine["device"][1], offload=offload, rows=[list(r) for r in rows])
     for line in table(plan, args):
         console.say(f"plan: {line}", prog)
