@@ -197,12 +197,7 @@ def write_jsonl(path: str, rows: list[dict], mode: str = "w"):
 
 def check_logs(out: str):
     """One line where a resumed run's log is a link (read as the run's own) or no regular file (a FIFO blocks)."""
-    for name in ("metrics.jsonl", "completions.jsonl"):
-        path = os.path.join(out, name)
-        if os.path.islink(path):
-            fail(str(runfolder.Linked(path)))
-        if os.path.lexists(path) and not os.path.isfile(path):
-            fail(f"--resume {out}: {path} is not a regular file (a FIFO, socket, device or broken link); remove it")
+    runfolder.check_writes(out, [("metrics.jsonl", "append"), ("completions.jsonl", "append")])
 
 def read_jsonl_upto(path: str, done: int) -> list[str]:
     """The lines of a log whose step is at most done; one without a step (cut short, junk) is dropped with a note."""
