@@ -232,10 +232,8 @@ def prepare(args: EvalArgs, sizes: dict, saved: dict | None) -> list[dict]:
     the samples of the runs already finished there (all sizes[(label, benchmark)] of a run's samples written)."""
     out, settings, kept = Path(args.out), settings_of(args), []
     runfolder.lock(args.out, PROG)  # first: a folder another eval writes into is neither read nor written
-    odd = data.special_files(str(out)) if dist.rank() == 0 else []
-    if odd:  # nothing read or rewritten there may block
-        fail(f"--out {out}: {odd[0]} is not a regular file (a FIFO, socket, device or link that cannot be read safely); "
-             f"remove it")
+    if dist.rank() == 0:  # nothing read or rewritten there may block
+        data.check_regular_files(str(out), f"--out {out}", PROG)
     if dist.rank() == 0 and saved is not None:
         kept = read_samples(str(out / "samples.jsonl"), PROG, partial=True) if (out / "samples.jsonl").exists() else []
         foreign = [s for s in kept if s.get("settings") != stamp_of(settings)]

@@ -30,9 +30,7 @@ def is_hub_id(name: str) -> bool:
 def check_model_path(model: str, prog: str = "remix"):
     """A model that is not a hub id is an existing local folder with no FIFO in it and weights in *.safetensors."""
     if os.path.isdir(model):
-        if odd := special_files(model):
-            fail(f"cannot load model {model!r}: {odd[0]} is not a regular file (a FIFO, socket, device or link that "
-                 f"cannot be read safely); remove it", prog)
+        check_regular_files(model, f"cannot load model {model!r}", prog)
         check_weight_files(f"model folder {model!r}", os.listdir(model), prog)
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError), open(
                 os.path.join(model, "model.safetensors.index.json"), encoding="utf-8") as f:  # what transformers loads
@@ -52,10 +50,12 @@ def check_weight_files(what: str, files: list[str], prog: str = "remix"):
              f"remix never unpickles a model; convert it to safetensors where you trust its source (transformers' "
              f"from_pretrained, then save_pretrained, writes model.safetensors)", prog)
 
-def special_files(folder: str) -> list[str]:
-    """What in a folder is no regular file once links are followed (a FIFO, socket, device, broken link); unopened."""
+def check_regular_files(folder: str, what: str, prog: str = "remix"):
+    """One line where an entry of folder is no regular file, links followed (a FIFO, socket, device, broken link)."""
     root, _, files = next(os.walk(folder), (folder, [], []))
-    return [os.path.join(root, n) for n in files if not os.path.isfile(os.path.join(root, n))]
+    if odd := [os.path.join(root, n) for n in files if not os.path.isfile(os.path.join(root, n))]:
+        fail(f"{what}: {odd[0]} is not a regular file (a FIFO, socket, device or link that cannot be read safely); "
+             f"remove it", prog)
 
 def check_hub(model: str, dataset: str | None = None, prog: str = "remix", benchmarks: tuple = ()):
     """The hub ids given (eval.py --hub: the benchmarks'), before anything loads, one request each and no retry (the
