@@ -19,6 +19,7 @@ if __name__ == "__main__":  # first: a Ctrl-C while torch imports ends in one li
 
     console.one_line_interrupts("eval")
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -203,10 +204,8 @@ def check_out(args: EvalArgs) -> dict | None:
         fail(f"{path} is not a regular file (a FIFO, socket or device), and the evaluation reads its settings from "
              f"it: remove it")
     if path.is_file():
-        try:
+        with contextlib.suppress(ValueError, OSError, RecursionError):
             saved = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, OSError, RecursionError):
-            saved = None
         if not isinstance(saved, dict):
             fail(f"{path} is damaged (not a JSON object of settings); choose another --out, or pass --overwrite")
     held = [p for p in out.iterdir() if p.name != runfolder.LOCK] if out.is_dir() else []
@@ -434,8 +433,7 @@ def read_runs(folders) -> dict:
         if not os.path.isfile(path):
             fail(f"--curves {folder}: no metrics.jsonl there (pass remix.py run folders)")
         records = []
-        with open(path, "rb") as f:
-            lines = f.read().split(b"\n")
+        lines = Path(path).read_bytes().split(b"\n")
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
