@@ -105,7 +105,7 @@ def load_method(path: str | None):
     try:
         module = grader.module_at(path)
     except Exception as error:
-        fail(f"--method {path}: importing it failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+        fail(f"--method {path}: importing it failed: {console.reason(error)}")
     if not isinstance(getattr(module, "METHOD", None), runner.Method) or not dataclasses.is_dataclass(
             getattr(module, "Args", None)):
         fail(f"--method {path}: it has no METHOD (a machinery.runner.Method) and Args, as remix.py has; give a copy of it")

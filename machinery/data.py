@@ -245,8 +245,7 @@ def template_guard(encode, model: str, prog: str = "remix"):
                 if outer["outer"] or not isinstance(error, jinja2.TemplateError) and not any(
                         f.f_code.co_filename == "<template>" for f, _ in traceback.walk_tb(error.__traceback__)):
                     raise  # the outer timer's, or not the template's (jinja names its lines' frames '<template>')
-                first = str(error).splitlines()[0][:200] if str(error) else ""
-                fail(f"the chat template of {model!r} fails ({type(error).__name__}: {first}): {fix}", prog)
+                fail(f"the chat template of {model!r} fails ({console.reason(error)}): {fix}", prog)
     return guarded
 
 @contextlib.contextmanager
