@@ -234,7 +234,7 @@ def prepare(args: EvalArgs, sizes: dict, saved: dict | None) -> list[dict]:
     if dist.rank() == 0:  # nothing read or rewritten there may block
         data.check_regular_files(str(out), f"--out {out}", PROG)
     if dist.rank() == 0 and saved is not None:
-        kept = read_samples(str(out / "samples.jsonl"), PROG, partial=True) if (out / "samples.jsonl").exists() else []
+        kept = read_samples(str(out / "samples.jsonl"), partial=True) if (out / "samples.jsonl").exists() else []
         foreign = [s for s in kept if s.get("settings") != stamp_of(settings)]
         if foreign:
             fail(f"{out / 'samples.jsonl'} holds {len(foreign)} records these settings did not make (the first: "
@@ -335,7 +335,7 @@ def main(args: EvalArgs) -> dict:
     if args.regrade:
         console.check_ranges(args, PROG)
         load_method(args.method)
-        samples = read_samples(args.regrade, PROG)
+        samples = read_samples(args.regrade)
         check_out(args)
         runfolder.lock(args.out, PROG)
         if dist.rank() == 0:
@@ -364,12 +364,12 @@ def main(args: EvalArgs) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Samples read back, the table
 # ----------------------------------------------------------------------------------------------
-def read_samples(path: str, prog: str = "eval", partial: bool = False) -> list[dict]:
+def read_samples(path: str, partial: bool = False) -> list[dict]:
     """The sample records of a samples.jsonl, each checked: benchmark, id, response and answers (a list of strings or
     numbers, or one); run and benchmark strings, repeat, sample and response_tokens whole numbers, where given.
     partial: an unreadable last line (a write cut short) is dropped instead of refused."""
     if not os.path.isfile(path):
-        console.fail(f"samples file {path!r} does not exist", prog)
+        fail(f"samples file {path!r} does not exist")
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = [(number, line) for number, line in enumerate(f.read().split("\n"), 1) if line.strip()]
     samples = []
@@ -392,13 +392,13 @@ def read_samples(path: str, prog: str = "eval", partial: bool = False) -> list[d
                 [data.answer_text(None, "'answers'")]
         except (ValueError, RecursionError) as error:  # bad JSON, an integer past Python's digits, deep nesting
             if partial and number == lines[-1][0]:
-                console.say(f"{path}: dropped an unreadable last line (a write cut short)", prog)
+                console.say(f"{path}: dropped an unreadable last line (a write cut short)", PROG)
                 continue
-            console.fail(f"{path}: line {number} is not a sample record ({error})", prog)
+            fail(f"{path}: line {number} is not a sample record ({error})")
         samples.append({**record, **{k: v for k, v in (("run", "greedy"), ("repeat", 0), ("sample", 0),
                                                        ("response_tokens", 0)) if k not in record}})  # keys kept in order
     if not samples and not partial:
-        console.fail(f"samples file {path!r} holds no samples", prog)
+        fail(f"samples file {path!r} holds no samples")
     return samples
 
 
