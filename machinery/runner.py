@@ -9,7 +9,6 @@ import functools
 import inspect
 import os
 import random
-import re
 import signal
 import sys
 import time
@@ -365,18 +364,15 @@ def prompt_stream(problems: list[tuple], encode, max_prompt_tokens: int, seed: i
                 yield Prompt(ids, answer, position)
 
 def planned_writes(args, done: int) -> list[tuple]:
-    """check_writes' plan of a run after step done, with each eval/step-N.jsonl and checkpoint-N it will replace."""
-    def due(step: int, every: int, at_start: bool = False) -> bool:
-        return done < step <= args.steps and (step == args.steps or (every > 0 and step % every == 0)) or \
-            (at_start and step == 0 == done)  # a new run's evaluation before step 1
+    """check_writes' plan of a run after step done, with each eval/step-N.jsonl and checkpoint-N it will write."""
+    def due(every: int, first: int) -> list[int]:
+        return [step for step in range(first, args.steps + 1)
+                if step == args.steps or (every > 0 and step % every == 0)]
     planned = [("metrics.jsonl", "append"), ("completions.jsonl", "append"), ("plan.json", "file"), ("tb", "tree")]
     if args.track:
         planned.append(("wandb", "tree", ("latest-run",)))  # wandb makes that link itself
     if args.eval_every:
         planned.append(("eval", "folder"))
-        found = os.listdir(os.path.join(args.out, "eval")) if os.path.isdir(os.path.join(args.out, "eval")) else []
-        planned += [(os.path.join("eval", name), "file") for name in sorted(found)
-                    if re.fullmatch(r"step-(0|[1-9]\d*)\.jsonl", name) and due(int(name[5:-6]), args.eval_every, True)]
-    found = os.listdir(args.out) if os.path.isdir(args.out) else []
-    return planned + [(name, "replaced") for name in sorted(found)
-                      if re.fullmatch(r"checkpoint-[1-9]\d*", name) and due(int(name[11:]), args.save_every)]
+        planned += [(os.path.join("eval", f"step-{step}.jsonl"), "file")
+                    for step in due(args.eval_every, 0 if done == 0 else done + 1)]  # a new run's step 0 too
+    return planned + [(f"checkpoint-{step}", "replaced") for step in due(args.save_every, done + 1)]
