@@ -71,7 +71,7 @@ def load_optimizer_shard(optim, shard: dict):
                         for key, value in entry.items()}
     optim.load_state_dict({"state": state, "param_groups": shard["param_groups"]})
 
-def save(out: str, step: int, nets: dict, tokenizer, optimizers: dict, trainer_state: dict, keep_last: int) -> str:
+def save(out: str, step: int, nets: dict, tokenizer, optimizers: dict, trainer_state: dict, keep_last: int):
     """OUT/checkpoint-STEP, then --keep-last's pruning; a failed write keeps the older ones and stops every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     final, tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, f".tmp-checkpoint-{step}")
@@ -101,7 +101,6 @@ def save(out: str, step: int, nets: dict, tokenizer, optimizers: dict, trainer_s
     if dist.rank() == 0:
         prune(out, step, keep_last, base_dtype(trainer_state.get("args", {}).get("run", {}).get("model")))
     dist.barrier()
-    return final
 
 def failure(write, *args) -> str | None:
     """None when write(*args) succeeds, else what went wrong in a few words (an OSError's reason, a first line)."""
