@@ -246,9 +246,8 @@ def open_file(path: str, mode: str = "w", **kwargs):
     link (Linked); appending only to a regular file of one name (Unwritable)."""
     with _parent(path) as (fd, name):
         if mode.startswith("w"):
-            with contextlib.suppress(FileNotFoundError):
-                if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                    os.unlink(name, dir_fd=fd)
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # a folder stays: the open refuses it
+                os.unlink(name, dir_fd=fd)
         try:
             handle = os.open(name, MODES[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=fd)
         except OSError as error:
