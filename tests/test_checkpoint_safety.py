@@ -72,11 +72,10 @@ def trainer_state(step: int, run: dict | None = None) -> dict:
             "replay": [], "progress": {"step": step, "rollouts": 0, "tokens": 0, "data_position": 0, "bad_updates": 0}}
 
 
-def save(out: Path, step: int, keep_last: int) -> str:
+def save(out: Path, step: int, keep_last: int):
     """checkpoints.save as a run calls it, without real models: the stand-in policy's model folder, a trainer state
     and an optimizer file of that step, and the manifest of them."""
-    return checkpoints.save(str(out), step, {"policy": FakePolicy()}, FakeTokenizer(), {}, trainer_state(step),
-                            keep_last)
+    checkpoints.save(str(out), step, {"policy": FakePolicy()}, FakeTokenizer(), {}, trainer_state(step), keep_last)
 
 
 def entries(out: Path) -> list[str]:
@@ -231,7 +230,8 @@ def test_a_default_like_schedule_keeps_one_full_state_and_model_folders_that_eva
         return real_prune(run, step, *rest)
 
     def save(run, step, *rest):
-        folder = Path(real_save(run, step, *rest))
+        real_save(run, step, *rest)
+        folder = Path(run) / f"checkpoint-{step}"
         policy_files[step] = sorted(p.name for p in folder.iterdir() if p.is_file()
                                     and p.name not in ("trainer_state.pt", "manifest.json"))
         policy_bytes[step] = top_level_bytes(folder)
@@ -391,11 +391,11 @@ def policy_of(source: str):
     return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), AutoTokenizer.from_pretrained(source)
 
 
-def save_policy(out: Path, step: int, keep_last: int, policy, tokenizer, base: str) -> str:
+def save_policy(out: Path, step: int, keep_last: int, policy, tokenizer, base: str):
     """checkpoints.save as a run calls it, with a real policy and tokenizer and no optimizer; the trainer state names
     the base model, as a run's arguments do."""
-    return checkpoints.save(str(out), step, {"policy": policy}, tokenizer, {}, trainer_state(step, {"model": base}),
-                            keep_last)
+    checkpoints.save(str(out), step, {"policy": policy}, tokenizer, {}, trainer_state(step, {"model": base}),
+                     keep_last)
 
 
 def inode(path: Path) -> tuple[int, int]:
