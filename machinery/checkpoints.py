@@ -265,13 +265,11 @@ def read_pt(path: str):
         return torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
         raise ValueError(f"{path} is missing") from None
-    except pickle.UnpicklingError as error:  # a global outside the weights-only allowlist: never run
-        if why := next((line for line in str(error).splitlines() if "GLOBAL" in line), None):
+    except Exception as error:  # a global off the allowlist (never run), a truncated zip, a damaged record
+        why = next((line for line in str(error).splitlines() if "GLOBAL" in line), None)
+        if isinstance(error, pickle.UnpicklingError) and why:
             raise Refused(f"{path} holds objects the safe loader refuses ({why.strip()[:160]}); nothing of it was run")
-        raise ValueError(f"{path} cannot be read safely (UnpicklingError: {str(error).strip()[:200]})") from None
-    except Exception as error:  # a truncated zip or a damaged record
-        raise ValueError(f"{path} cannot be read safely ({type(error).__name__}: "
-                         f"{(str(error).strip().splitlines() or ['damaged'])[0][:200]})") from None
+        raise ValueError(f"{path} cannot be read safely ({console.reason(error)})") from None
 
 def verify(folder: str) -> str | None:
     """How a checkpoint differs from its manifest (a file missing, added, changed or not regular; its step), or None."""
