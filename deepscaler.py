@@ -16,6 +16,8 @@ import sympy
 from pylatexenc import latex2text
 from sympy.parsing import sympy_parser
 
+from machinery import grader
+
 
 # --- the answer that is graded
 
@@ -27,15 +29,11 @@ def graded_text(response: str) -> str:
 def boxed_answer(text: str) -> str | None:
     """The brace group right after the last `\\boxed`; None when there is no `\\boxed` or the last one is not
     followed at once by `{` (so `\\boxed 5` and `\\fbox{5}` give no answer, as in their code)."""
-    start, depth = text.rfind("\\boxed"), 0
-    if start < 0:
+    start = text.rfind("\\boxed")
+    if start < 0 or not text.startswith("\\boxed{", start):
         return None
-    for end in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[end], 0)
-        if text[end] == "}" and depth == 0:
-            chunk = text[start:end + 1]
-            return chunk[len("\\boxed{"):-1] if chunk.startswith("\\boxed{") else None
-    return None
+    end = grader.balanced(text, start + len("\\boxed"))
+    return text[start + len("\\boxed{") : end - 1] if end > 0 else None
 
 
 # --- rule (a): the MATH dataset's string normalisation (their grade_answer_mathd)

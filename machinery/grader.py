@@ -61,7 +61,7 @@ _FUNCTION = re.compile(r"(?<![\\A-Za-z])(arcsin|arccos|arctan|sinh|cosh|tanh|sin
 _SQRT_CALL = re.compile(r"(?<![A-Za-z])\\?sqrt\s*\(")
 _EXPONENT = re.compile(r"-?(?:\d+(?:\.\d+)?|[A-Za-z])")
 
-def _balanced(s: str, i: int) -> int:
+def balanced(s: str, i: int) -> int:
     """The index just past the bracket group that opens at s[i] ('(' or '{'), or -1."""
     pairs, depth = {"(": ")", "{": "}"}, 0
     opening, closing = s[i], pairs[s[i]]
@@ -76,13 +76,13 @@ def _code(s: str) -> str:
     s = _LIBRARY.sub("", s)
     s = _FUNCTION.sub(r"\\\1", s)
     while m := _SQRT_CALL.search(s):  # `sqrt(2)`, `\sqrt(2)` -> `\sqrt{2}`
-        end = _balanced(s, m.end() - 1)
+        end = balanced(s, m.end() - 1)
         if end < 0:
             break
         s = s[:m.start()] + "\\sqrt{" + s[m.end():end - 1] + "}" + s[end:]
     while (k := s.find("**")) >= 0:
         rest = s[k + 2:].lstrip()
-        if rest[:1] == "(" and (end := _balanced(rest, 0)) > 0:
+        if rest[:1] == "(" and (end := balanced(rest, 0)) > 0:
             exponent, tail = rest[:end], rest[end:]
         elif m := _EXPONENT.match(rest):
             exponent, tail = m.group(), rest[m.end():]
@@ -170,7 +170,7 @@ def _math_parts(s: str, rule) -> str:
     for m in _TEXT_GROUP.finditer(s):
         if m.start() < done:
             continue  # inside a text group already kept
-        end = _balanced(s, m.end() - 1)
+        end = balanced(s, m.end() - 1)
         if end < 0:
             break
         out += [rule(s[done:m.start()]), s[m.start():end]]
@@ -190,7 +190,7 @@ def last_boxed(text: str) -> str | None:
     if start < 0:
         return None
     begin = text.index("{", start)
-    end = _balanced(text, begin)
+    end = balanced(text, begin)
     return text[begin + 1 : end - 1] if end > 0 else None
 
 # Workers: fresh interpreters fed over pipes (not forks of the caller: docs/bench/grader_workers.md measures why)
