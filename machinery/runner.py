@@ -86,7 +86,7 @@ class Method:
     build_prompt: typing.Callable  # (tokenizer, problem, suffix, system) -> prompt token ids
     final_answer: typing.Callable  # (response) -> the answer it states, or None
     grade_response: typing.Callable  # (response, answer) -> (1.0 or 0.0, status): the evaluation's answer check
-    warm: typing.Callable  # (*warm_args): slow imports, before grader workers are forked
+    warm: typing.Callable  # (*warm_args): slow imports, run once in each grader worker as it starts
     warm_args: tuple
     reflection_words: tuple  # the self-reflection rate counts responses holding any of them
     recomputed: tuple = ()  # the sample fields a step computes anew: dropped once it is logged (the deque's too)
@@ -115,8 +115,7 @@ class Session:
             raise RuntimeError(NO_MAIN_GUARD)
         console.catch_interrupts()
         self.began, self.scores = time.perf_counter(), None  # the closing line's time and its last evaluation
-        if not console.within(args.dist_timeout, console.ranges(type(args))["dist_timeout"]):
-            fail(f"--dist-timeout must be {console.ranges(type(args))['dist_timeout']}, got {args.dist_timeout}")
+        console.check_ranges(args)  # --dist-timeout's before dist.init uses it (check_args checks them all again)
         dist.init(args.dist_timeout, args.offload)
         if "LOCAL_RANK" in os.environ and "RANK" not in os.environ and torch.cuda.is_available():
             say("LOCAL_RANK is set without RANK (not torchrun): this one process uses GPU 0; pick another with "
