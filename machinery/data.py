@@ -124,7 +124,7 @@ def read_dataset(path: str, revision: str | None = None) -> tuple[list[dict], di
         try:
             rows = pd.read_parquet(io.BytesIO(raw)).to_dict("records")
         except Exception as error:  # pyarrow's errors for a damaged file have no common type
-            fail(f"cannot read dataset {path!r} as parquet: {str(error).splitlines()[0]}")
+            fail(f"cannot read dataset {path!r} as parquet: {console.reason(error)}")
     else:
         rows = parse_rows(raw, path)
     return rows, {"sha256": hashlib.sha256(raw).hexdigest()}
