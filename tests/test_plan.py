@@ -274,6 +274,7 @@ def measure_step(model: str, algo: str, tokens: int, checkpointing: bool) -> dic
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_plan_bounds_the_measured_host_memory_of_a_tiny_update(tiny_model, checkpointing):
     """Two PPO update passes over a 4,096-token micro-batch (two padded rows), in a process of their own: the peak

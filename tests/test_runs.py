@@ -532,6 +532,7 @@ def test_math_reward_works_from_every_kind_of_caller(shape, tmp_path):
     assert float(seconds) < 10.0  # a hang guard (worker start-up included), not a speed claim
 
 
+@pytest.mark.slow
 def test_a_checkpoint_holds_one_models_whole_weights_on_the_host_at_a_time(tiny_model, train_file, tmp_path,
                                                                            monkeypatch):
     """checkpoints.save gathers each model's full state dict on rank 0's host: the one written before (two fp32
