@@ -329,7 +329,6 @@ def test_grader_failures_are_counted_in_the_step(tiny_model, train_file, tmp_pat
     assert row["grader/failures"] == 1 and row["grader/no_boxed"] == 0
 
 
-@pytest.mark.slow
 def test_non_finite_updates_stop_the_run_and_keep_the_last_good_checkpoint(tiny_model, train_file, tmp_path,
                                                                            monkeypatch, capsys):
     step = {"now": 0}
@@ -357,7 +356,6 @@ def test_non_finite_updates_stop_the_run_and_keep_the_last_good_checkpoint(tiny_
     assert all(torch.isfinite(p).all() for p in reloaded.parameters())
 
 
-@pytest.mark.slow
 def test_one_non_finite_update_is_skipped_and_the_run_carries_on_with_finite_weights(tiny_model, train_file, tmp_path,
                                                                                       monkeypatch, capsys):
     """One poisoned mini-batch at step 2: its optimizer step is skipped (a stepped NaN gradient would put NaN in every
@@ -532,7 +530,6 @@ def test_math_reward_works_from_every_kind_of_caller(shape, tmp_path):
     assert float(seconds) < 10.0  # a hang guard (worker start-up included), not a speed claim
 
 
-@pytest.mark.slow
 def test_a_checkpoint_holds_one_models_whole_weights_on_the_host_at_a_time(tiny_model, train_file, tmp_path,
                                                                            monkeypatch):
     """checkpoints.save gathers each model's full state dict on rank 0's host: the one written before (two fp32
@@ -555,7 +552,6 @@ def test_a_checkpoint_holds_one_models_whole_weights_on_the_host_at_a_time(tiny_
     assert alive_at_call == [0, 0]  # the policy's, then the critic's: nothing of the policy's left at the second
 
 
-@pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tiny_model, train_file, tmp_path, monkeypatch,
                                                                     capsys):
     import errno
