@@ -62,6 +62,8 @@ def check_weights(source: str, critic: bool = False, new_head: bool = False, pro
         model = meta_model(source, critic)[1]  # its named_parameters hold a tied copy once, its state_dict twice
         folder = source if os.path.isdir(source) else snapshot_download(source, allow_patterns="*.safetensors")
         files = [safe_open(path, "pt") for path in glob.glob(os.path.join(folder, "*.safetensors"))]
+        if not files:  # weights as a pickle alone (pytorch_model.bin) are never opened
+            raise FileNotFoundError(f"no *.safetensors file in {folder}: remix reads weights from safetensors only")
         held = {name: weights.get_slice(name).get_shape() for weights in files for name in weights.keys()}
     except Exception as error:  # noqa: BLE001 a config transformers cannot build, a damaged header, the hub
         console.fail(f"cannot load model {source!r}: {console.reason(error)}"

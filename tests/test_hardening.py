@@ -674,7 +674,7 @@ def test_a_payload_planted_in_any_file_a_resume_reads_never_runs(name, finished_
         one_error_line(done, f"checkpoint-2/{name} holds objects the safe loader refuses")
     elif name.endswith(".safetensors"):  # weights are read from safetensors alone: the pickle is never opened
         one_error_line(done, f"cannot load model '{out / 'checkpoint-2' / Path(name).parent}'")
-        assert "no file named model.safetensors" in done.stderr
+        assert "no *.safetensors file in" in done.stderr
     else:  # remote code is never trusted: the run either ignores the map or stops with one line
         assert done.returncode in (0, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
 
