@@ -115,7 +115,9 @@ class Session:
             raise RuntimeError(NO_MAIN_GUARD)
         console.catch_interrupts()
         self.began, self.scores = time.perf_counter(), None  # the closing line's time and its last evaluation
-        console.check_ranges(args)  # --dist-timeout's before dist.init uses it (check_args checks them all again)
+        # --dist-timeout alone before dist.init uses it: until dist.init names the rank, every rank would say a line
+        if not console.within(args.dist_timeout, console.ranges(type(args))["dist_timeout"]):
+            fail(f"--dist-timeout must be {console.ranges(type(args))['dist_timeout']}, got {args.dist_timeout}")
         dist.init(args.dist_timeout, args.offload)
         if "LOCAL_RANK" in os.environ and "RANK" not in os.environ and torch.cuda.is_available():
             say("LOCAL_RANK is set without RANK (not torchrun): this one process uses GPU 0; pick another with "
