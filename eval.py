@@ -31,8 +31,7 @@ from typing import Literal
 
 import deepscaler
 from machinery import checkpoints, console, data, dist, engines, grader, models, report, runfolder, runner
-
-PROG = "eval"
+from machinery.console import fail
 
 
 @dataclass
@@ -92,10 +91,6 @@ class EvalArgs:
     """in [1, 65536]: prompts per generate call with --sampler hf"""
 
 
-def fail(message: str):
-    console.fail(message, PROG)
-
-
 def load_method(path: str | None):
     """The method's module (its METHOD and Args), from the file --method names, or remix.py beside eval.py: found by
     its file, never its name (grader.module_at: its folder last on sys.path)."""
@@ -131,25 +126,25 @@ def protocol_runs(args: EvalArgs, names: list[str]) -> list[dict]:
 
 def check(args: EvalArgs):
     """Every flag and input that can be checked before a model loads, each with one line."""
-    console.check_ranges(args, PROG)
+    console.check_ranges(args)
     if args.protocol == "custom" and args.n > 1 and args.temperature == 0:
         fail("--n > 1 needs --temperature > 0: greedy samples are all the same")
     if args.protocol != "custom" and (args.n, args.temperature, args.top_p) != (1, 0.0, 1.0):
         fail(f"--protocol {args.protocol} sets its own samples, temperature and top-p: drop --n/--temperature/--top-p")
     if args.model is None:
         fail("--model is required (or --regrade SAMPLES.jsonl, or --curves RUN ...)")
-    data.check_model_path(args.model, PROG)  # a FIFO in it, pickled weights only: before anything is written
-    hub_ids = [report.BENCHMARKS[name][1] for name in report.resolve(args.benchmarks, PROG)] if args.hub else []
-    data.check_hub(args.model, None, PROG, hub_ids)  # one request decides: no look-up retries for half a minute
+    data.check_model_path(args.model)  # a FIFO in it, pickled weights only: before anything is written
+    hub_ids = [report.BENCHMARKS[name][1] for name in report.resolve(args.benchmarks)] if args.hub else []
+    data.check_hub(args.model, None, hub_ids)  # one request decides: no look-up retries for half a minute
     if dist.world() % args.vllm_tp:
         fail(f"--vllm-tp {args.vllm_tp} must divide the {dist.world()} processes")
     if args.sampler == "vllm" and dist.device().type == "cpu":
-        engines.cpu_kv_cache_gib(PROG)  # the CPU engine reads it at its start, after --out is written
+        engines.cpu_kv_cache_gib()  # the CPU engine reads it at its start, after --out is written
     mine, theirs = load_method(args.method).METHOD.record(), trained_by(args.model)
     if theirs is not None and (theirs["file"], theirs.get("sha256")) != (mine["file"], mine["sha256"]):
         console.say(f"{args.model} was trained by {theirs['file']} (sha256 {str(theirs.get('sha256'))[:12]}) and is "
                     f"evaluated with {mine['file']} (sha256 {str(mine['sha256'])[:12]}): its prompt and answer check "
-                    f"(--method names the method file)", PROG)
+                    f"(--method names the method file)")
 
 
 def trained_by(model: str) -> dict | None:
@@ -230,9 +225,9 @@ def prepare(args: EvalArgs, sizes: dict, saved: dict | None) -> list[dict]:
     """--out (checked: check_out's saved settings) locked and made ready, continued or replaced (--overwrite); returns
     the samples of the runs already finished there (all sizes[(label, benchmark)] of a run's samples written)."""
     out, settings, kept = Path(args.out), settings_of(args), []
-    runfolder.lock(args.out, PROG)  # first: a folder another eval writes into is neither read nor written
+    runfolder.lock(args.out)  # first: a folder another eval writes into is neither read nor written
     if dist.rank() == 0:  # nothing read or rewritten there may block
-        data.check_regular_files(str(out), f"--out {out}", PROG)
+        data.check_regular_files(str(out), f"--out {out}")
     if dist.rank() == 0 and saved is not None:
         kept = read_samples(str(out / "samples.jsonl"), partial=True) if (out / "samples.jsonl").exists() else []
         foreign = [s for s in kept if s.get("settings") != stamp_of(settings)]
@@ -259,28 +254,28 @@ def start_sampler(args: EvalArgs, prompts: list[list[int]]):
             load_method(args.method).Args, model=args.model, seed=args.seed, vllm_tp=args.vllm_tp, precision=precision,
             max_prompt_tokens=max(map(len, prompts)), max_response_tokens=args.max_tokens, vllm_sleep=False,
             vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-        return engines.start(settings, prog=PROG)
-    return models.pretrained(args.model, models.compute_dtype(precision), prog=PROG).to(dist.device()).eval()
+        return engines.start(settings)
+    return models.pretrained(args.model, models.compute_dtype(precision)).to(dist.device()).eval()
 
 
 def evaluate(args: EvalArgs, saved: dict | None) -> list[dict]:
     """Every run of the protocol on every benchmark, one (run, benchmark, repetition) at a time, each appended to
     samples.jsonl as it finishes; those already there (an interrupted evaluation with the same settings) are kept."""
-    names = report.resolve(args.benchmarks, PROG)
-    problems = {name: report.read_benchmark(name, args.data_dir, args.limit, args.hub, PROG)[0] for name in names}
+    names = report.resolve(args.benchmarks)
+    problems = {name: report.read_benchmark(name, args.data_dir, args.limit, args.hub)[0] for name in names}
     # every prompt is built before --out is touched: a chat template that fails stops with one line, leaving nothing
-    tokenizer = data.load_tokenizer(args.model, PROG)
+    tokenizer = data.load_tokenizer(args.model)
     context, source = models.context_length(args.model, tokenizer) or (None, None)
     if context is not None:  # a problem longer than the context can hold is skipped unrendered (runner.char_bound)
         bound = runner.char_bound(tokenizer, context)
-        problems = {name: report.fitting(rows, bound, PROG) for name, rows in problems.items()}
+        problems = {name: report.fitting(rows, bound) for name, rows in problems.items()}
     runs = protocol_runs(args, names)
     sizes = {(r["label"], name): len(problems[name]) * r["n"] for r in runs for name in names}
     if not tokenizer.chat_template:
-        console.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text", PROG)
+        console.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text")
     method, suffix = load_method(args.method).METHOD, suffix_of(args)
     encode = data.template_guard(lambda problem: method.build_prompt(tokenizer, problem, suffix, args.system_prompt),
-                                 args.model, PROG)
+                                 args.model)
     prompts = {name: [encode(p["problem"]) for p in rows] for name, rows in problems.items()}
     longest = max((len(p) for ps in prompts.values() for p in ps), default=0)
     if context is not None and longest + args.max_tokens > context:  # before --out is written
@@ -295,7 +290,7 @@ def evaluate(args: EvalArgs, saved: dict | None) -> list[dict]:
         todo = [(r, name, repeat) for r in runs for name in names for repeat in range(r["repeats"][name])
                 if (r["label"], name, repeat) not in done]
         if done:
-            console.say(f"continuing {args.out}: {len(done)} of {len(done) + len(todo)} runs of benchmarks already there", PROG)
+            console.say(f"continuing {args.out}: {len(done)} of {len(done) + len(todo)} runs of benchmarks already there")
         generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, stamp_of(settings_of(args)))
         if args.sampler == "vllm":
             engines.stop(sampler)  # before the process group goes (dist.finish): vLLM's shutdown uses it
@@ -314,7 +309,7 @@ def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, st
         start = time.perf_counter()
         generated = engines.generate(sampler, tokenizer, prompts[name], r["n"], r["temperature"], r["top_p"],
                                         args.max_tokens, args.seed + repeat, args.vllm_tp, args.batch_size,
-                                        f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}", PROG)
+                                        f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}")
         if dist.rank() == 0:
             unit = [{**record, "settings": stamp} for record in
                     report.records(problems[name], generated, r["label"], repeat, args.seed + repeat)]
@@ -322,26 +317,26 @@ def generate_runs(args, sampler, tokenizer, problems, prompts, todo, samples, st
             report.write_jsonl(os.path.join(args.out, "samples.jsonl"), unit, mode="a")
             samples += unit
             console.say(f"{r['label']} {name} run {repeat + 1}/{r['repeats'][name]}: {len(unit)} samples in "
-                        f"{time.perf_counter() - start:.0f} s", PROG)
+                        f"{time.perf_counter() - start:.0f} s")
 
 
 def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
     console.catch_interrupts()
-    dist.init(prog=PROG)
+    dist.init()
     rank = dist.rank()  # read now: vLLM's engine, freed as evaluate returns, takes torchrun's process group with it
     if args.curves:
         return draw(args.curves, args.out)
     if args.regrade:
-        console.check_ranges(args, PROG)
+        console.check_ranges(args)
         load_method(args.method)
         samples = read_samples(args.regrade)
         check_out(args)
-        runfolder.lock(args.out, PROG)
+        runfolder.lock(args.out)
         if dist.rank() == 0:
             runfolder.replace_file(os.path.join(args.out, "settings.json"), [json.dumps({"regrade": args.regrade,
                                                                                         "grader": args.grader})])
-            console.say(f"grading {len(samples)} responses with {args.workers} worker processes", PROG)
+            console.say(f"grading {len(samples)} responses with {args.workers} worker processes")
             report.grade(load_method(args.method).METHOD, samples, args.workers, args.grade_timeout, deepscaler.grade_any)
             report.write_jsonl(os.path.join(args.out, "samples.jsonl"), samples)
     else:
@@ -392,7 +387,7 @@ def read_samples(path: str, partial: bool = False) -> list[dict]:
                 [data.answer_text(None, "'answers'")]
         except (ValueError, RecursionError) as error:  # bad JSON, an integer past Python's digits, deep nesting
             if partial and number == lines[-1][0]:
-                console.say(f"{path}: dropped an unreadable last line (a write cut short)", PROG)
+                console.say(f"{path}: dropped an unreadable last line (a write cut short)")
                 continue
             fail(f"{path}: line {number} is not a sample record ({error})")
         samples.append({**record, **{k: v for k, v in (("run", "greedy"), ("repeat", 0), ("sample", 0),
@@ -447,7 +442,7 @@ def read_runs(folders) -> dict:
                 if number == len(lines):  # no newline after it: a write cut short
                     continue
                 console.fail(f"--curves {folder}: {path}, line {number} is not a metrics record ({str(error)[:80]}); pass "
-                     f"remix.py run folders", PROG)
+                     f"remix.py run folders")
             records.append(record)
         name = os.path.basename(os.path.normpath(folder))
         runs[name if name not in runs else folder] = records
@@ -502,9 +497,9 @@ def draw(folders, out: str) -> dict:
     figure("length_and_reflection_vs_step.png", [
         ("mean response length (tokens), training samples", "step", "step", "response/length_mean"),
         ("self-reflection rate, training samples", "step", "step", "response/self_reflection")])
-    console.say(f"drew {', '.join(drawn)} in {out}", PROG)
+    console.say(f"drew {', '.join(drawn)} in {out}")
     return drawn
 
 
 if __name__ == "__main__":
-    runner.main(lambda: main(runner.parse(EvalArgs, PROG)), PROG)
+    runner.main(lambda: main(runner.parse(EvalArgs)))

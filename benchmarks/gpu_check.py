@@ -626,7 +626,9 @@ def main(argv=None):
     model, data = out / "r1-distill-1.5b-shaped", out / "problems.jsonl"
     data.write_text("".join(json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
                             for a in range(10) for b in range(10)))
-    dist.init(prog="gpu_check")  # a group of one, or torchrun's: the models are FSDP2-sharded either way
+    console._state["prog"] = "gpu_check"  # torchrun's numbers and the torch check speak in the check's name
+    dist.init()  # a group of one, or torchrun's: the models are FSDP2-sharded either way
+    console._state["prog"] = "remix"  # the runs' own lines, as remix.py's
     report = {"device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)", "torch": torch.__version__,
               "world_size": dist.world(), "vllm": VLLM, "math_verify": GRADER, "gpus": torch.cuda.device_count(),
               "mode": "full" if full else "quick", "seconds": {}, "leftovers": {}}

@@ -1,7 +1,7 @@
 """The command line and the terminal: the run's settings and their checks, one-line messages, progress, signals.
 
-The bottom of the map: nothing of machinery, nothing heavy (remix.py and eval.py import it before torch); the rank
-and a stopped run's line reach it as values (set_rank, on_stop).
+The bottom of the map: nothing of machinery, nothing heavy (remix.py and eval.py import it before torch); the
+program's name, the rank and a stopped run's line reach it as values (one_line_interrupts, set_rank, on_stop).
 """
 
 import ast
@@ -20,7 +20,7 @@ import types
 import typing
 from typing import Annotated, Literal
 
-_state = {"rank": 0, "seen": None, "stop_line": None}
+_state = {"rank": 0, "seen": None, "stop_line": None, "prog": "remix"}
 
 OTHER_RANK_WAIT = 2.0  # seconds another rank waits before it refuses: torchrun stops it where rank 0 refuses too
 
@@ -28,19 +28,19 @@ def set_rank(rank: int):
     """This process's rank (dist.init says it): only the first process speaks."""
     _state["rank"] = rank
 
-def fail(message: str, prog: str = "remix"):
+def fail(message: str):
     """Bad input: one clear line on stderr and exit code 2, no traceback."""
     if _state["rank"] != 0:
         time.sleep(OTHER_RANK_WAIT)
-        print(f"{prog}: error: rank {_state['rank']}: {message}", file=sys.stderr, flush=True)
-    say(f"error: {message}", prog, sys.stderr)
+        print(f"{_state['prog']}: error: rank {_state['rank']}: {message}", file=sys.stderr, flush=True)
+    say(f"error: {message}", sys.stderr)
     raise SystemExit(2)
 
-def say(message: str, prog: str = "remix", stream=None):
+def say(message: str, stream=None):
     """One line on stdout (or stream), from the first process, on a line of its own beside a progress bar."""
     if _state["rank"] == 0:
         from tqdm import tqdm
-        tqdm.write(f"{prog}: {message}", file=stream or sys.stdout)
+        tqdm.write(f"{_state['prog']}: {message}", file=stream or sys.stdout)
         (stream or sys.stdout).flush()
 
 def reason(error: BaseException) -> str:
@@ -71,18 +71,18 @@ class _Lines:
     """A log file's view of a tqdm bar: each redraw (tqdm writes '\\r' and the bar) becomes a line of its own, unless
     it counts what the last line did (a close after vLLM's last refresh): no line twice."""
 
-    def __init__(self, stream, prog: str):
-        self.stream, self.prog, self.last = stream, prog, None
+    def __init__(self, stream):
+        self.stream, self.last = stream, None
 
     def write(self, text: str):
         if (text := text.strip("\r\n ")) and text.rsplit(" [", 1)[0] != self.last:  # the bar, before its times
             self.last = text.rsplit(" [", 1)[0]
-            self.stream.write(f"{self.prog}: {text}\n")
+            self.stream.write(f"{_state['prog']}: {text}\n")
 
     def flush(self):
         self.stream.flush()
 
-def progress(label: str, total: int, unit: str = "problems", prog: str = "remix", stream=None):
+def progress(label: str, total: int, unit: str = "problems", stream=None):
     """A tqdm bar on rank 0: redrawn in place in a terminal (80 x 24 where it reports 0 x 0, as a bare pty does: tqdm
     would draw nothing), else plain lines: the first, at most one every 30 s (tqdm's monitor's too), the last."""
     from tqdm import tqdm
@@ -90,17 +90,17 @@ def progress(label: str, total: int, unit: str = "problems", prog: str = "remix"
     tty, size = stream.isatty(), {}
     with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor: tqdm's own size
         size = {"ncols": 80, "nrows": 24} if tty and os.get_terminal_size(stream.fileno()).columns == 0 else {}
-    return tqdm(total=total, desc=f"{prog}: {label}" if tty else label, unit=f" {unit}", ascii=not tty,
-                file=stream if tty else _Lines(stream, prog), mininterval=1.0 if tty else 30.0, smoothing=0,
+    return tqdm(total=total, desc=f"{_state['prog']}: {label}" if tty else label, unit=f" {unit}", ascii=not tty,
+                file=stream if tty else _Lines(stream), mininterval=1.0 if tty else 30.0, smoothing=0,
                 maxinterval=10.0 if tty else 30.0, disable=_state["rank"] != 0 or total <= 0,
                 dynamic_ncols=tty and not size, **size)  # smoothing 0: the rate so far
 
-def engine_progress(label: str | None, responses: int, prog: str = "remix"):
+def engine_progress(label: str | None, responses: int):
     """What vLLM's generate(use_tqdm=...) takes in place of tqdm: a bar of all the responses under label, whatever
     total vLLM passes (its requests: n a prompt in vLLM 0.32); False without a label or on the other ranks (vLLM
     divides by a bar's elapsed time, which a disabled one leaves at 0)."""
     def bar(iterable=None, **ignored):
-        return iterable if iterable is not None else progress(label, responses, "responses", prog)
+        return iterable if iterable is not None else progress(label, responses, "responses")
     return bar if _state["rank"] == 0 and label else False
 
 def duration(seconds: float) -> str:
@@ -125,6 +125,7 @@ HANDLED = [s for s in EXIT_CODES if s != signal.SIGHUP or signal.getsignal(signa
 
 def one_line_interrupts(prog: str):
     """A program's first call: unread output dropped, a -P script's folder last on sys.path, a signal one line."""
+    _state["prog"] = prog  # what each line of this process begins with (fail, say, progress, runner.main's signal line)
     drop_unwritable_output()
     if sys.flags.safe_path and sys.argv and sys.argv[0].endswith(".py"):  # python -P FOLDER/fork.py
         folder = os.path.dirname(os.path.abspath(sys.argv[0]))
@@ -372,7 +373,7 @@ def unlike(value, schema, where: str) -> str | None:
         fits = schema is typing.Any or type(value) is schema or (schema is float and type(value) is int)
     return None if fits else f"{where} is {value!r:.60}"
 
-def env_number(name: str, default, bound: str, kind: type = int, prog: str = "remix"):
+def env_number(name: str, default, bound: str, kind: type = int):
     """The environment variable name as a number of kind (default where unset), in bound or refused in one line."""
     text = os.environ.get(name)
     if text is None:
@@ -381,14 +382,14 @@ def env_number(name: str, default, bound: str, kind: type = int, prog: str = "re
         if within(value := kind(text), bound):
             return value
     fail(f"the environment variable {name} must be {'a whole number' if kind is int else 'a number'} {bound}, "
-         f"got {text!r}: set it to one, or unset it", prog)
+         f"got {text!r}: set it to one, or unset it")
 
-def check_ranges(args, prog: str = "remix"):
+def check_ranges(args):
     """Every numeric flag in the range its docstring states: the first that is not gets one line."""
     for name, bound in ranges(type(args)).items():
         value = getattr(args, name)
         if value is not None and not within(value, bound):
-            fail(f"--{name.replace('_', '-')} must be {bound}, got {value}", prog)
+            fail(f"--{name.replace('_', '-')} must be {bound}, got {value}")
 
 def check_args(args, world: int):
     """Every flag's range, then every impossible combination over world processes, each with one line."""

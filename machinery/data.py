@@ -27,37 +27,37 @@ def is_hub_id(name: str) -> bool:
     return not (os.path.exists(name) or "/" in name and os.path.exists(name.split("/")[0])) and \
         bool(HUB_ID.match(name)) and "--" not in name and ".." not in name
 
-def check_model_path(model: str, prog: str = "remix"):
+def check_model_path(model: str):
     """A model that is not a hub id is an existing local folder with no FIFO in it and weights in *.safetensors."""
     if os.path.isdir(model):
-        check_regular_files(model, f"cannot load model {model!r}", prog)
-        check_weight_files(f"model folder {model!r}", os.listdir(model), prog)
+        check_regular_files(model, f"cannot load model {model!r}")
+        check_weight_files(f"model folder {model!r}", os.listdir(model))
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError), open(
                 os.path.join(model, "model.safetensors.index.json"), encoding="utf-8") as f:  # what transformers loads
             if pickled := [n for n in json.load(f)["weight_map"].values() if not str(n).endswith(".safetensors")]:
                 fail(f"model folder {model!r}: its model.safetensors.index.json names {pickled[0]}, not a safetensors "
-                     f"file; remix reads weights from safetensors only", prog)
+                     f"file; remix reads weights from safetensors only")
     elif not is_hub_id(model):
-        fail(f"model folder {model!r} does not exist; pass an existing local folder or a hub id (org/name)", prog)
+        fail(f"model folder {model!r} does not exist; pass an existing local folder or a hub id (org/name)")
 
-def check_weight_files(what: str, files: list[str], prog: str = "remix"):
+def check_weight_files(what: str, files: list[str]):
     """Refuses a model without *.safetensors: weights that are pickles only (pytorch_model.bin) are never unpickled."""
     pickles = sorted(f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl")))
     if not pickles and not any(f.endswith((".safetensors", ".safetensors.index.json")) for f in files):
-        fail(f"{what} holds no model weights (*.safetensors)", prog)
+        fail(f"{what} holds no model weights (*.safetensors)")
     if pickles and not any(f.endswith(".safetensors") for f in files):
         fail(f"{what} holds its weights as {pickles[0]}, a pickle (loading one can run code), and no *.safetensors: "
              f"remix never unpickles a model; convert it to safetensors where you trust its source (transformers' "
-             f"from_pretrained, then save_pretrained, writes model.safetensors)", prog)
+             f"from_pretrained, then save_pretrained, writes model.safetensors)")
 
-def check_regular_files(folder: str, what: str, prog: str = "remix"):
+def check_regular_files(folder: str, what: str):
     """One line where an entry of folder is no regular file, links followed (a FIFO, socket, device, broken link)."""
     root, _, files = next(os.walk(folder), (folder, [], []))
     if odd := [os.path.join(root, n) for n in files if not os.path.isfile(os.path.join(root, n))]:
         fail(f"{what}: {odd[0]} is not a regular file (a FIFO, socket, device or link that cannot be read safely); "
-             f"remove it", prog)
+             f"remove it")
 
-def check_hub(model: str, dataset: str | None = None, prog: str = "remix", benchmarks: tuple = ()):
+def check_hub(model: str, dataset: str | None = None, benchmarks: tuple = ()):
     """The hub ids given (eval.py --hub: the benchmarks'), before anything loads, one request each and no retry (the
     datasets library's look-ups retry for half a minute): a hub out of reach is one line; pickled weights refused."""
     import huggingface_hub.errors
@@ -77,9 +77,9 @@ def check_hub(model: str, dataset: str | None = None, prog: str = "remix", bench
                 continue
             fail(f"the Hugging Face hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached ({error}), and "
                  f"{flag} {name} is a hub id: {'drop --hub' if 'hub' in flag else 'pass local paths'}, or set "
-                 f"HF_HUB_OFFLINE=1 to use the files already in the local cache", prog)
+                 f"HF_HUB_OFFLINE=1 to use the files already in the local cache")
         if flag == "--model":
-            check_weight_files(f"hub model {name!r}", files, prog)
+            check_weight_files(f"hub model {name!r}", files)
 
 def answer_text(value, where: str = "the answer") -> str:
     """A gold answer as the grader's string (stripped; 27.0 -> '27', 0.5 -> '0.5'); else ValueError naming where."""
@@ -150,30 +150,30 @@ def problems_of(rows: list[dict], path: str, problem_key: str, answer_key: str) 
             f"(first: {bad[0]})")
     return problems
 
-def parse_rows(raw: bytes, path: str, prog: str = "remix") -> list[dict]:
+def parse_rows(raw: bytes, path: str) -> list[dict]:
     """UTF-8 JSON lines, or a JSON list of objects (a text starting '['); one object over several lines is refused."""
     try:
         text = raw.decode("utf-8").replace("\r\n", "\n")
     except UnicodeDecodeError as error:
-        fail(f"dataset {path!r} is not UTF-8 text (byte {error.start}: {error.reason})", prog)
+        fail(f"dataset {path!r} is not UTF-8 text (byte {error.start}: {error.reason})")
     stripped = text.lstrip()
-    if stripped.startswith("{") and _loads(stripped.split("\n", 1)[0], path, "", prog, quiet=True) is None and \
-            _loads(text, path, "", prog, quiet=True) is not None:
+    if stripped.startswith("{") and _loads(stripped.split("\n", 1)[0], path, "", quiet=True) is None and \
+            _loads(text, path, "", quiet=True) is not None:
         fail(f"dataset {path!r} holds one JSON object, not rows: write one object per line (JSONL) or a JSON list of "
-             f"objects", prog)
-    rows = _loads(text, path, "", prog) if stripped.startswith("[") else \
-        [_loads(line, path, f"line {n}", prog) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+             f"objects")
+    rows = _loads(text, path, "") if stripped.startswith("[") else \
+        [_loads(line, path, f"line {n}") for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     for number, row in enumerate(rows, 1):
         if not isinstance(row, dict):
-            fail(f"dataset {path!r}: row {number} is a JSON {type(row).__name__}, not an object", prog)
+            fail(f"dataset {path!r}: row {number} is a JSON {type(row).__name__}, not an object")
         try:
             json.dumps(row, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             fail(f"dataset {path!r}: row {number} holds a lone surrogate (a \\ud800-\\udfff escape without its pair), "
-                 f"which is not Unicode text and no tokenizer takes: fix or drop that row", prog)
+                 f"which is not Unicode text and no tokenizer takes: fix or drop that row")
     return rows
 
-def _loads(text: str, path: str, where: str, prog: str, quiet: bool = False):
+def _loads(text: str, path: str, where: str, quiet: bool = False):
     """json.loads, with one line for each way Python refuses a text (where: 'line 3'); quiet: None instead."""
     try:
         return json.loads(text)
@@ -186,10 +186,10 @@ def _loads(text: str, path: str, where: str, prog: str, quiet: bool = False):
         problem = f"nests lists or objects deeper than Python reads (about {sys.getrecursionlimit()} levels): " \
                   f"flatten it or drop that row"
     if not quiet:
-        fail(f"dataset {path!r}{f': {where}' if where else ''} {problem}", prog)
+        fail(f"dataset {path!r}{f': {where}' if where else ''} {problem}")
 
-def hub_rows(name: str, config: str | None = None, split: str = "train", revision: str | None = None,
-             prog: str = "remix") -> tuple[list[dict], str | None]:
+def hub_rows(name: str, config: str | None = None, split: str = "train",
+             revision: str | None = None) -> tuple[list[dict], str | None]:
     """A hub dataset's rows and their revision: the builder's hash (the commit resolved, or the cached copy's)."""
     import datasets
     try:
@@ -198,9 +198,9 @@ def hub_rows(name: str, config: str | None = None, split: str = "train", revisio
             builder.download_and_prepare()
             return list(builder.as_dataset(split=split)), builder.hash
     except Exception as error:  # offline, unknown id, no such split: one line either way
-        fail(f"cannot load dataset {name!r} from the hub: {console.reason(error)}{console.offline_hint()}", prog)
+        fail(f"cannot load dataset {name!r} from the hub: {console.reason(error)}{console.offline_hint()}")
 
-def load_tokenizer(source: str, prog: str = "remix"):
+def load_tokenizer(source: str):
     """The model's tokenizer (never its folder's code), making tokens none past the embedding's rows; else one line."""
     import transformers
     what = "its config.json does not describe a model"
@@ -212,14 +212,14 @@ def load_tokenizer(source: str, prog: str = "remix"):
             tokenizer("1 + 1 = 2", add_special_tokens=False)  # a value of its config that breaks encoding breaks here
     except Exception as error:  # noqa: BLE001
         fail(f"cannot load model {source!r}: {what} ({console.reason(error)})"
-             f"{'' if os.path.isdir(source) else console.offline_hint()}", prog)
+             f"{'' if os.path.isdir(source) else console.offline_hint()}")
     if not tokenizer("1 + 1 = 2", add_special_tokens=False).input_ids:  # its tokenizer files gone: an empty one
         fail(f"cannot load model {source!r}: it holds no usable tokenizer (it turns text into no tokens; are its "
-             f"tokenizer.json and tokenizer_config.json missing?): copy them from where the model came from", prog)
+             f"tokenizer.json and tokenizer_config.json missing?): copy them from where the model came from")
     largest = max(max(tokenizer.get_vocab().values(), default=-1) + 1, len(tokenizer))
     if rows is not None and largest > rows:
         fail(f"cannot load model {source!r}: its tokenizer has {largest} tokens and the model's embedding {rows} rows "
-             f"(vocab_size in config.json): the tokenizer is not this model's", prog)
+             f"(vocab_size in config.json): the tokenizer is not this model's")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -229,7 +229,7 @@ TEMPLATE_SECONDS = 5.0  # one prompt renders in milliseconds; a chat template st
 class _TemplateTimeout(BaseException):
     """Not an Exception: no `except Exception` between the alarm and template_guard keeps it."""
 
-def template_guard(encode, model: str, prog: str = "remix"):
+def template_guard(encode, model: str):
     """encode(problem) -> token ids; one line when the chat template raises or renders past TEMPLATE_SECONDS."""
     import jinja2
     fix = "fix or replace the chat_template in its tokenizer_config.json (or chat_template.jinja), or use another model"
@@ -240,12 +240,12 @@ def template_guard(encode, model: str, prog: str = "remix"):
                 return encode(problem)
             except _TemplateTimeout:
                 fail(f"the chat template of {model!r} rendered one prompt for over {TEMPLATE_SECONDS:g} s (a loop "
-                     f"without end?): {fix}", prog)
+                     f"without end?): {fix}")
             except Exception as error:
                 if outer["outer"] or not isinstance(error, jinja2.TemplateError) and not any(
                         f.f_code.co_filename == "<template>" for f, _ in traceback.walk_tb(error.__traceback__)):
                     raise  # the outer timer's, or not the template's (jinja names its lines' frames '<template>')
-                fail(f"the chat template of {model!r} fails ({console.reason(error)}): {fix}", prog)
+                fail(f"the chat template of {model!r} fails ({console.reason(error)}): {fix}")
     return guarded
 
 @contextlib.contextmanager

@@ -18,18 +18,18 @@ _device: list[torch.device] = []
 TORCH_RANGE = ((2, 11), (2, 14))  # releases whose FSDP2 internals unsharded and as_forward use: 2.11, 2.13, 2.14
 _warned: list[str] = []
 
-def init(timeout_minutes: float = 60.0, offload: bool = False, prog: str = "remix") -> torch.device:
+def init(timeout_minutes: float = 60.0, offload: bool = False) -> torch.device:
     """Join torchrun's process group or one of one (NCCL, gloo on CPUs and with offload); returns this rank's device."""
     cuda = torch.cuda.is_available()
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local_rank = 0
     if torchrun:  # torchrun's numbers, each checked as a flag is before the process group reads them
-        world_size = console.env_number("WORLD_SIZE", 1, "in [1, 1048576]", int, prog)
-        console.env_number("RANK", 0, f"in [0, {world_size - 1}]", int, prog)
-        local = console.env_number("LOCAL_WORLD_SIZE", world_size, f"in [1, {world_size}]", int, prog)
+        world_size = console.env_number("WORLD_SIZE", 1, "in [1, 1048576]")
+        console.env_number("RANK", 0, f"in [0, {world_size - 1}]")
+        local = console.env_number("LOCAL_WORLD_SIZE", world_size, f"in [1, {world_size}]")
         gpus = min(local, torch.cuda.device_count()) if cuda else local
-        console.env_number("MASTER_PORT", 29500, "in [1, 65535]", int, prog)
-        local_rank = console.env_number("LOCAL_RANK", 0, f"in [0, {max(gpus, 1) - 1}]", int, prog)
+        console.env_number("MASTER_PORT", 29500, "in [1, 65535]")
+        local_rank = console.env_number("LOCAL_RANK", 0, f"in [0, {max(gpus, 1) - 1}]")
     if cuda:  # one process is GPU 0, as vLLM's own executor takes it (CUDA_VISIBLE_DEVICES picks another)
         torch.cuda.set_device(local_rank)
     if not torch_dist.is_initialized():
@@ -37,26 +37,26 @@ def init(timeout_minutes: float = 60.0, offload: bool = False, prog: str = "remi
         alone = {} if torchrun else {"store": torch_dist.HashStore(), "rank": 0, "world_size": 1}
         torch_dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **alone)
     console.set_rank(rank())
-    check_torch(torch.__version__, prog)  # once the group is there: its line comes from the first process only
+    check_torch(torch.__version__)  # once the group is there: its line comes from the first process only
     _device[:] = [torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")]
     return _device[0]
 
-def check_torch(version: str, prog: str = "remix"):
+def check_torch(version: str):
     """torch older than TORCH_RANGE is refused in one line; a newer one is warned about once, and the run goes on."""
     release = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
     (oldest, newest), named = TORCH_RANGE, lambda r: ".".join(map(str, r))  # noqa: E731
     if release < oldest:
         console.fail(f"torch {version} is older than {named(oldest)}: remix runs on torch {named(oldest)} to "
                      f"{named(newest)}, whose FSDP2 it was checked against (requirements-gpu.txt pins the GPU's, "
-                     f"requirements-cpu.txt the CPU's)", prog)
+                     f"requirements-cpu.txt the CPU's)")
     if release > newest and version not in _warned:
         _warned.append(version)
         console.say(f"warning: torch {version} is newer than {named(newest)}, the last release whose FSDP2 remix was "
-                    f"checked against (machinery/dist.py reaches into it); the run goes on", prog)
+                    f"checked against (machinery/dist.py reaches into it); the run goes on")
 
-def local_world(prog: str = "remix") -> int:
+def local_world() -> int:
     """The processes on this node: torchrun's LOCAL_WORLD_SIZE (checked, at most the world), or the world."""
-    return console.env_number("LOCAL_WORLD_SIZE", world(), f"in [1, {world()}]", int, prog)
+    return console.env_number("LOCAL_WORLD_SIZE", world(), f"in [1, {world()}]")
 
 def device() -> torch.device:
     return _device[0] if _device else torch.device("cpu")

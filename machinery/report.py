@@ -33,14 +33,14 @@ def data_root() -> Path:
     """The repository's data/, or REMIX_DATA's folder of the same layout."""
     return Path(os.environ["REMIX_DATA"]) if os.environ.get("REMIX_DATA") else REPOSITORY_DATA
 
-def resolve(names, prog: str = "remix") -> list[str]:
+def resolve(names) -> list[str]:
     """Benchmark names ('all' is the paper's five; commas split), each once, in order."""
     parts = [part for name in names for part in name.split(",")]
     if unknown := [part for part in parts if part != "all" and part not in BENCHMARKS]:
-        fail(f"unknown benchmark {unknown[0]!r}; valid names: {', '.join(BENCHMARKS)}, all", prog)
+        fail(f"unknown benchmark {unknown[0]!r}; valid names: {', '.join(BENCHMARKS)}, all")
     chosen = [name for part in parts for name in (PAPER_FIVE if part == "all" else [part])]
     if not chosen:  # an evaluation of nothing would report 0 samples as if it had run
-        fail(f"no benchmark named; valid names: {', '.join(BENCHMARKS)}, all", prog)
+        fail(f"no benchmark named; valid names: {', '.join(BENCHMARKS)}, all")
     return list(dict.fromkeys(chosen))
 
 def gold_answers(row: dict, where: str) -> list[str]:
@@ -54,20 +54,20 @@ def gold_answers(row: dict, where: str) -> list[str]:
         return [data.answer_text(", ".join(str(x) for x in raw).replace("$", ""), f"{where}: 'answer'")]
     return [data.answer_text(raw, f"{where}: 'answer'")]
 
-def read_benchmark(name: str, data_dir: str | None, limit: int | None, hub: bool = False,
-                   prog: str = "remix") -> tuple[list[dict], str | None]:
+def read_benchmark(name: str, data_dir: str | None, limit: int | None,
+                   hub: bool = False) -> tuple[list[dict], str | None]:
     """A benchmark's problems, every row checked, from its folder or the hub; its bytes' SHA-256 (hub: None)."""
     local, hub_id, config, split = BENCHMARKS[name]
     if hub:
-        rows, where, digest = data.hub_rows(hub_id, config, split, prog=prog)[0], hub_id, None
+        rows, where, digest = data.hub_rows(hub_id, config, split)[0], hub_id, None
     else:
         folder = Path(data_dir) if data_dir else data_root() / "benchmarks"
         if not folder.is_dir():
-            fail(f"benchmark folder {str(folder)!r} does not exist (pass --data-dir, or --hub)", prog)
+            fail(f"benchmark folder {str(folder)!r} does not exist (pass --data-dir, or --hub)")
         if not (path := folder / local).is_file():
-            fail(f"benchmark file {str(path)!r} does not exist (expected {local} in the benchmark folder)", prog)
+            fail(f"benchmark file {str(path)!r} does not exist (expected {local} in the benchmark folder)")
         raw = path.read_bytes()
-        rows, where, digest = data.parse_rows(raw, str(path), prog), str(path), hashlib.sha256(raw).hexdigest()
+        rows, where, digest = data.parse_rows(raw, str(path)), str(path), hashlib.sha256(raw).hexdigest()
     problems = []
     for i, row in enumerate(rows[:limit]):
         try:
@@ -76,20 +76,20 @@ def read_benchmark(name: str, data_dir: str | None, limit: int | None, hub: bool
                                                           f"{where}: row {i + 1}'s problem"),
                              "answers": gold_answers(row, f"{where}: row {i + 1}")})
         except ValueError as error:
-            fail(str(error), prog)
+            fail(str(error))
     if not problems:  # a table without rows, and during training a KeyError after --out was written
-        fail(f"benchmark {name} ({where}) holds no problems; give it problem rows, or leave {name} out", prog)
+        fail(f"benchmark {name} ({where}) holds no problems; give it problem rows, or leave {name} out")
     return problems, digest
 
-def fitting(problems: list[dict], max_chars: int, prog: str = "remix") -> list[dict]:
+def fitting(problems: list[dict], max_chars: int) -> list[dict]:
     """The problems within max_chars characters; the rest skipped unrendered, counted in one line (Decision 9)."""
     kept = [p for p in problems if len(p["problem"]) <= max_chars]
     if len(kept) < len(problems):
         skipped = next(p for p in problems if len(p["problem"]) > max_chars)
         say(f"{skipped['benchmark']}: skipped {len(problems) - len(kept)} problem(s) longer than the model's context "
-            f"can hold (over {max_chars} characters; the first: id {skipped['id']})", prog)
+            f"can hold (over {max_chars} characters; the first: id {skipped['id']})")
     if not kept:
-        fail(f"benchmark {skipped['benchmark']}: every problem is longer than the model's context can hold", prog)
+        fail(f"benchmark {skipped['benchmark']}: every problem is longer than the model's context can hold")
     return kept
 
 def read_benchmarks(names, data_dir: str | None, limit: int | None) -> tuple[list[dict], dict]:

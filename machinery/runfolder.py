@@ -41,7 +41,7 @@ def special(path: str) -> Unwritable:
     return Unwritable(errno.EPERM, f"{path} is not a regular file (a FIFO, socket or device), and nothing is written "
                                    f"into one: remove it")
 
-def lock(out: str, prog: str = "remix"):
+def lock(out: str):
     """Create --out and lock it until the process ends (a second job: one line). The folder is locked, and so is
     OUT/.remix.lock, which names the holder (the lock itself where folders cannot be locked, as on NFS)."""
     writes_into(out)
@@ -69,7 +69,7 @@ def lock(out: str, prog: str = "remix"):
         if error and folder is not None:
             os.close(folder)
     if error := dist.broadcast(error):
-        console.fail(error, prog)
+        console.fail(error)
 
 def _lock_file(path: str):
     """The lock file naming this process, locked, held open, written aside and renamed over one no other job holds."""

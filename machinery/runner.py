@@ -22,24 +22,24 @@ from machinery.console import fail, say
 
 Prompt = collections.namedtuple("Prompt", "ids answer position")  # position: problems consumed up to it
 
-def cli(method_args, prog: str = "remix", argv: list[str] | None = None):
+def cli(method_args, argv: list[str] | None = None):
     """A run's settings from argv (sys.argv[1:]): method_args and RunArgs as flat flags, in one settings object."""
     command = dataclasses.make_dataclass("Command", [("method", method_args), ("run", console.RunArgs)])
-    parsed = parse(parser(prog).conf.OmitArgPrefixes[command], prog, argv, console.settings_type(method_args))
+    parsed = parse(parser().conf.OmitArgPrefixes[command], argv, console.settings_type(method_args))
     return console.settings(method_args, **console.fields_of(parsed.method), **console.fields_of(parsed.run))
 
-def parse(cls, prog: str = "remix", argv: list[str] | None = None, named=None):
+def parse(cls, argv: list[str] | None = None, named=None):
     """argv parsed by tyro into cls; an unknown flag is one line naming the closest field of cls (or of named)."""
-    args, unknown = parser(prog).cli(cls, args=argv, return_unknown_args=True)
+    args, unknown = parser().cli(cls, args=argv, return_unknown_args=True)
     if unknown:
-        fail(unknown_flag_line(unknown, named or cls), prog)
+        fail(unknown_flag_line(unknown, named or cls))
     return args
 
-def parser(prog: str):
+def parser():
     try:
         import tyro
     except ImportError:
-        fail("tyro (the command-line parser) is not installed: pip install -r requirements.txt", prog)
+        fail("tyro (the command-line parser) is not installed: pip install -r requirements.txt")
     return tyro
 
 def unknown_flag_line(unknown: list[str], cls) -> str:
@@ -58,20 +58,20 @@ def unknown_flag_line(unknown: list[str], cls) -> str:
 NO_MAIN_GUARD = ("the method's file starts a run when imported, and the grader's workers import it: put the run "
                  "under `if __name__ == \"__main__\":`")
 
-def main(program, prog: str = "remix"):
+def main(program):
     """program() and a clean exit; a signal: one line, its exit code (130, 143, 129), no traceback, no worker left."""
     try:
         result = program()
     except runfolder.Unwritable as refused:  # a link or a special file where the program writes: never written
         grader.close_pool()
-        fail(str(refused), prog)
+        fail(str(refused))
     except BaseException as interrupt:  # what breaks after a signal (code that wraps it in its own error) is the signal
         if not console.from_signal(interrupt):
             raise
         grader.close_pool()
         if dist.rank() == 0:
             line = getattr(interrupt, "line", None) or console.stop_line(console.seen() or signal.SIGINT)
-            print(f"\n{prog}: {line}", file=sys.stderr, flush=True)
+            print(f"\n{console._state['prog']}: {line}", file=sys.stderr, flush=True)
         os._exit(console.EXIT_CODES[console.seen() or signal.SIGINT])
     grader.close_pool()
     if isinstance(result, dict) and result.get("llm") is not None:

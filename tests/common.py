@@ -62,8 +62,10 @@ def refused_in_one_line(program: str, model, data, out, capsys) -> str:
 
     import eval as eval_cli
     import remix
+    from machinery import console
 
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit) as exit_info, pytest.MonkeyPatch.context() as patch:
+        patch.setitem(console._state, "prog", program)  # what the program's first call, one_line_interrupts, sets
         if program == "remix":
             remix.train(tiny_args(str(model), data, out))
         else:

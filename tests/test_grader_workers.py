@@ -177,7 +177,8 @@ def program():
     grader.map_with_deadline(tasks.nap, [(0.1,), (0.1,)], 2, 900.0, None)
     print("graded", flush=True)
     time.sleep(600)  # training or generating: the workers wait for the next grading
-runner.main(program, "prog")
+console._state["prog"] = "prog"  # what a program's first call, console.one_line_interrupts("prog"), sets
+runner.main(program)
 """
 
 

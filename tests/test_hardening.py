@@ -181,6 +181,7 @@ def test_eval_checks_the_environment_numbers_it_reads_before_writing(name, value
     monkeypatch.setenv(name, value)
     if name == "RANK":
         monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setitem(console._state, "prog", "eval")  # what eval.py's one_line_interrupts("eval") sets
     out = tmp_path / "eval"
     with pytest.raises(SystemExit) as exit_info:
         eval_cli.main(eval_cli.EvalArgs(model=tiny_model, out=str(out), limit=1, sampler="vllm"))
@@ -205,9 +206,10 @@ def test_an_environment_number_in_range_is_what_the_plan_counts(tiny_model, monk
 
 
 @pytest.mark.parametrize("name, bound", list(console.ranges(eval_cli.EvalArgs).items()))
-def test_each_bad_value_of_an_eval_flag_gets_one_line(name, bound, tiny_model, tmp_path, capsys):
+def test_each_bad_value_of_an_eval_flag_gets_one_line(name, bound, tiny_model, tmp_path, capsys, monkeypatch):
     import typing
 
+    monkeypatch.setitem(console._state, "prog", "eval")  # what eval.py's one_line_interrupts("eval") sets
     integer = typing.get_type_hints(eval_cli.EvalArgs)[name] in (int, int | None)
     for value in bad_values(bound, integer):
         with pytest.raises(SystemExit) as exit_info:
@@ -222,12 +224,13 @@ def test_each_bad_value_of_an_eval_flag_gets_one_line(name, bound, tiny_model, t
                                                    ("remix", "grade_timeout", 1e-300), ("remix", "grade_timeout", 0.4),
                                                    ("eval", "temperature", 1e-300), ("eval", "grade_timeout", 0.4)])
 def test_a_flag_that_divides_or_times_out_is_refused_under_its_floor(program, flag, value, tiny_model, train_file,
-                                                                     tmp_path, capsys):
+                                                                     tmp_path, capsys, monkeypatch):
     """Issue 43: --temperature 1e-300 passed its range and crashed mid-run (logits / T overflow: the sampler's
     probabilities are NaN), --grade-timeout 1e-300 turned every grade into a timeout. Each is refused in one line
     before anything is written; eval.py's temperature 0 (greedy) is still taken (the bad values of its range, above,
     include the float next to 0)."""
     out = tmp_path / "out"
+    monkeypatch.setitem(console._state, "prog", program)  # what the program's one_line_interrupts sets
     with pytest.raises(SystemExit) as exit_info:
         if program == "remix":
             remix.train(tiny_args(tiny_model, train_file, out, **{flag: value}))
@@ -271,14 +274,15 @@ def test_a_misspelled_flag_is_one_line_naming_the_closest_one(cls, argv, line, m
     from machinery import runner
 
     monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setitem(console._state, "prog", cls)  # what the program's one_line_interrupts sets
     with pytest.raises(SystemExit) as exit_info:
-        runner.cli(remix.Args, cls) if cls == "remix" else runner.parse(eval_cli.EvalArgs, cls)
+        runner.cli(remix.Args) if cls == "remix" else runner.parse(eval_cli.EvalArgs)
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"{cls}: error: {line}"]
-    parsed = runner.cli(remix.Args, "remix", ["--temperature", "0.5", "--no-kl-convex", "--eval_every", "3"])
+    parsed = runner.cli(remix.Args, ["--temperature", "0.5", "--no-kl-convex", "--eval_every", "3"])
     assert (parsed.temperature, parsed.kl_convex, parsed.eval_every) == (0.5, False, 3)
 
 
-def help_rows(method_args, prog: str, monkeypatch, capsys) -> dict[str, list[str]]:
+def help_rows(method_args, monkeypatch, capsys) -> dict[str, list[str]]:
     """A run's --help as a user reads it (120 columns: one group under another, boxed on a terminal, plain text
     elsewhere): {group title: the flags its rows begin with}."""
     import re
@@ -287,7 +291,7 @@ def help_rows(method_args, prog: str, monkeypatch, capsys) -> dict[str, list[str
 
     monkeypatch.setenv("COLUMNS", "120")
     with pytest.raises(SystemExit) as exit_info:
-        runner.cli(method_args, prog, ["--help"])
+        runner.cli(method_args, ["--help"])
     assert exit_info.value.code == 0
     rows, title = {}, None
     for line in capsys.readouterr().out.splitlines():
@@ -317,7 +321,7 @@ def test_help_shows_every_setting_once_flat_in_the_methods_group_and_the_runs(mo
 
     method, run_settings = dataclasses.fields(remix.Args), dataclasses.fields(console.RunArgs)
     assert len(method) <= 36 and not {f.name for f in method} & {f.name for f in run_settings}
-    assert help_rows(remix.Args, "remix", monkeypatch, capsys) == {
+    assert help_rows(remix.Args, monkeypatch, capsys) == {
         "options": ["-h", "--help"], "method options": flags_of(remix.Args), "run options": flags_of(console.RunArgs)}
     assert {"--algo", "--group-size", "--off-policy-p", "--no-kl-convex"} <= set(flags_of(remix.Args))
     assert {"--model", "--sampler", "--out", "--resume", "--no-vllm-sleep"} <= set(flags_of(console.RunArgs))
@@ -360,11 +364,11 @@ def test_a_forks_new_setting_is_a_flag_of_the_method_with_its_range_checked(tmp_
     spec = importlib.util.spec_from_file_location("remix_mine_settings", tmp_path / "remix_mine.py")
     fork = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fork)
-    rows = help_rows(fork.Args, "remix_mine", monkeypatch, capsys)
+    rows = help_rows(fork.Args, monkeypatch, capsys)
     assert rows["method options"] == flags_of(remix.Args)[:flags_of(remix.Args).index("--value-clip")] + \
         ["--clip-eps-high"] + flags_of(remix.Args)[flags_of(remix.Args).index("--value-clip"):]
     assert rows["run options"] == flags_of(console.RunArgs)
-    parsed = runner.cli(fork.Args, "remix_mine", ["--clip-eps-high", "0.3", "--sampler", "hf", "--clip-eps", "0.1"])
+    parsed = runner.cli(fork.Args, ["--clip-eps-high", "0.3", "--sampler", "hf", "--clip-eps", "0.1"])
     assert (parsed.clip_eps_high, parsed.sampler, parsed.clip_eps) == (0.3, "hf", 0.1)
     assert console.ranges(type(parsed))["clip_eps_high"] == "in (0, 1)"
     with pytest.raises(SystemExit) as exit_info:
@@ -372,8 +376,9 @@ def test_a_forks_new_setting_is_a_flag_of_the_method_with_its_range_checked(tmp_
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
         "remix: error: --clip-eps-high must be in (0, 1), got 1.5"]
     monkeypatch.setattr(sys, "argv", ["remix_mine.py", "--clip-eps-hihg", "0.3"])
+    monkeypatch.setitem(console._state, "prog", "remix_mine")
     with pytest.raises(SystemExit):
-        runner.cli(fork.Args, "remix_mine")
+        runner.cli(fork.Args)
     assert capsys.readouterr().err.strip().splitlines() == [
         "remix_mine: error: --clip-eps-hihg is no flag of remix_mine.py; did you mean --clip-eps-high? "
         "(remix_mine.py --help lists them)"]
@@ -786,10 +791,10 @@ def test_output_whose_reader_is_gone_is_dropped_and_the_program_goes_on():
     os.close(read)
     stream.write("x" * 200_000)  # past the buffer: written at once, and refused
     stream.flush()
-    bar = console.progress("greedy aime24", 10, prog="eval", stream=stream)
+    bar = console.progress("greedy aime24", 10, stream=stream)
     bar.update(5)
     bar.close()
-    console.say("still here", "eval", stream)
+    console.say("still here", stream)
     assert os.path.samefile(f"/proc/self/fd/{stream.fileno()}", os.devnull)
     stream.close()
 

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import eval as eval_cli  # noqa: E402
-from machinery import report, runfolder  # noqa: E402
+from machinery import console, report, runfolder  # noqa: E402
 from tests.common import ROOT, one_error_line, read_metrics, run_remix, tiny_cli  # noqa: E402
 
 EVAL_FLAGS = ["--benchmarks", "aime24", "amc83", "--limit", "2", "--max-tokens", "6", "--sampler", "hf"]
@@ -49,7 +49,8 @@ def tiny_eval(model: str, out: Path, **overrides) -> eval_cli.EvalArgs:
 
 def refused(capsys, args: eval_cli.EvalArgs) -> str:
     """eval.py stopped with exit code 2 and one stderr line, which is returned."""
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit) as exit_info, pytest.MonkeyPatch.context() as patch:
+        patch.setitem(console._state, "prog", "eval")  # what eval.py's one_line_interrupts("eval") sets
         eval_cli.main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("eval: error: "), err
@@ -249,7 +250,8 @@ def test_a_vllm_eval_ends_with_exit_0_and_no_traceback(tiny_model, tmp_path):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [("run", ["greedy"]), ("benchmark", ["aime24"]), ("response_tokens", "7"),
                                           ("response_tokens", 7.5), ("repeat", [0]), ("sample", {"a": 1})])
-def test_a_regrade_of_records_of_the_wrong_types_gets_one_line(field, value, tmp_path, capsys):
+def test_a_regrade_of_records_of_the_wrong_types_gets_one_line(field, value, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(console._state, "prog", "eval")  # what eval.py's one_line_interrupts("eval") sets
     path = solutions(tmp_path / "S.jsonl", n=3)
     rows = [json.loads(line) for line in lines_of(path)]
     rows[1][field] = value

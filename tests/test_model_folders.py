@@ -371,7 +371,8 @@ SPOILS = {  # the weight changed, its new shape (None: left out), what transform
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 @pytest.mark.parametrize("spoil", list(SPOILS))
 def test_eval_with_vllm_refuses_a_model_whose_weights_do_not_fit_its_config_before_writing(spoil, sharded, tiny_model,
-                                                                                           tmp_path, capsys):
+                                                                                           tmp_path, capsys,
+                                                                                           monkeypatch):
     """vLLM's loader leaves a weight the files lack unset, silently: eval.py's default sampler reads every name and
     shape from the safetensors headers first (models.check_weights), and stops in one line, exit 2, nothing written.
     The weight it names is the one transformers' own loading report names."""
@@ -384,6 +385,7 @@ def test_eval_with_vllm_refuses_a_model_whose_weights_do_not_fit_its_config_befo
         info = AutoModelForCausalLM.from_pretrained(model, output_loading_info=True, ignore_mismatched_sizes=True)[1]
     assert [k if isinstance(k, str) else k[0] for k in info[report]] == [name]
     capsys.readouterr()
+    monkeypatch.setitem(console._state, "prog", "eval")  # what eval.py's one_line_interrupts("eval") sets
     with pytest.raises(SystemExit) as exit_info:
         eval_cli.main(eval_cli.EvalArgs(model=str(model), out=str(out), limit=1, max_tokens=8))  # sampler: vllm
     err = capsys.readouterr().err.strip().splitlines()

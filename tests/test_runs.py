@@ -883,11 +883,12 @@ def test_a_refusal_on_a_rank_other_than_0_is_said_by_that_rank(monkeypatch, caps
     from machinery import console
 
     monkeypatch.setattr(console, "OTHER_RANK_WAIT", 0.3, raising=False)
+    monkeypatch.setitem(console._state, "prog", "eval")  # what eval.py's one_line_interrupts("eval") sets
     for rank, line in ((1, "eval: error: rank 1: its shard is damaged"), (0, "eval: error: its shard is damaged")):
         monkeypatch.setitem(console._state, "rank", rank)
         start = time.monotonic()
         with pytest.raises(SystemExit) as exit_info:
-            console.fail("its shard is damaged", "eval")
+            console.fail("its shard is damaged")
         waited = time.monotonic() - start
         assert exit_info.value.code == 2 and capsys.readouterr().err.splitlines() == [line]
         assert (waited >= 0.3) == (rank == 1)
@@ -1269,12 +1270,13 @@ def test_a_torch_older_than_the_checked_range_is_refused_at_start(program, tiny_
     assert "torch 2.10.2+cu128 is older than 2.11: remix runs on torch 2.11 to 2.14" in line, line
 
 
-def test_a_torch_in_the_checked_range_runs_silently_and_a_newer_one_is_warned_about_once(capsys):
+def test_a_torch_in_the_checked_range_runs_silently_and_a_newer_one_is_warned_about_once(capsys, monkeypatch):
     for version in ("2.11.0+cu130", "2.13.0+cpu", "2.14.0", "2.14.2+cu128"):
         dist.check_torch(version)
     assert capsys.readouterr().out == ""
+    monkeypatch.setitem(console._state, "prog", "eval")  # what eval.py's one_line_interrupts("eval") sets
     for _ in range(2):
-        dist.check_torch("2.15.0.dev20270301+cu130", "eval")
+        dist.check_torch("2.15.0.dev20270301+cu130")
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("eval: warning: torch 2.15.0.dev20270301+cu130 is newer than 2.14")
 

@@ -262,11 +262,14 @@ def test_line_separators_inside_a_rows_strings_are_text(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["{", "[" * 100_000 + "]" * 100_000, "[1, 2]"])
-def test_an_evaluations_damaged_settings_are_one_line_and_nothing_is_written(text, tiny_model, tmp_path, capsys):
+def test_an_evaluations_damaged_settings_are_one_line_and_nothing_is_written(text, tiny_model, tmp_path, capsys,
+                                                                             monkeypatch):
     """eval.py continuing an --out whose settings.json is not JSON, nested past Python's recursion limit, or no
     object: one line that says what to do, exit 2, the folder as it was."""
     import eval as eval_cli
+    from machinery import console
 
+    monkeypatch.setitem(console._state, "prog", "eval")  # what eval.py's one_line_interrupts("eval") sets
     out = tmp_path / "eval"
     out.mkdir()
     (out / "settings.json").write_text(text)
@@ -301,11 +304,13 @@ def model_with_template(tiny_model, folder, template: str) -> str:
 @pytest.mark.parametrize("program", ["remix", "eval"])
 @pytest.mark.parametrize("case", list(TEMPLATES))
 def test_a_chat_template_that_raises_or_never_ends_stops_in_one_line_before_anything_is_written(
-        program, case, tiny_model, train_file, tmp_path, capsys):
+        program, case, tiny_model, train_file, tmp_path, capsys, monkeypatch):
     import eval as eval_cli
     import remix
+    from machinery import console
     from tests.common import tiny_args
 
+    monkeypatch.setitem(console._state, "prog", program)  # what the program's one_line_interrupts sets
     template, message = TEMPLATES[case]
     model, out = model_with_template(tiny_model, tmp_path / "model", template), tmp_path / "out"
     start = time.monotonic()

@@ -1519,6 +1519,9 @@ def joined_method_args(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from machinery import runner as program
+    from machinery import console, runner as program
 
-    main(program.parse(ToyArgs, "toy", joined_method_args(sys.argv[1:])))
+    console._state["prog"] = "toy"  # a refusal of the toy's command line is the toy's; its runs' lines stay remix's
+    cli = program.parse(ToyArgs, joined_method_args(sys.argv[1:]))
+    console._state["prog"] = "remix"
+    main(cli)
