@@ -1,5 +1,5 @@
 """machinery/'s shape, read from its source: at most 12 files of at most 450 lines and 4,000 in all, each opening with
-a one-line statement of its job; the product (every .py outside the tests, the toy and the benchmarks) at most 5,222
+a one-line statement of its job; the product (every .py outside the tests, the toy and the benchmarks) at most 5,217
 lines; machinery/__init__.py's map lists every module once, in an order where each imports only modules listed below
 it, counting every import, those inside functions too; no module imports remix; no import circle; at most 35
 connected pairs of modules; the bottom module (what prints and ends a program) imports none of them. The walk is
@@ -14,7 +14,7 @@ import pytest
 from tests.common import ROOT
 
 MACHINERY = ROOT / "machinery"
-MAX_FILES, MAX_LINES, MAX_TOTAL, MAX_PRODUCT, MAX_PAIRS = 12, 450, 4000, 5222, 35
+MAX_FILES, MAX_LINES, MAX_TOTAL, MAX_PRODUCT, MAX_PAIRS = 12, 450, 4000, 5217, 35
 BOTTOM = "console"  # fail, say, progress, signals: the rank and a stopped run's line reach it as values
 
 
