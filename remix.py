@@ -34,7 +34,7 @@ from typing import Annotated, Literal
 
 import torch
 
-from machinery import console, dist, engines, grader, models, report, runner
+from machinery import console, dist, engines, grader, models, overlap, report, runner
 
 
 @dataclass
@@ -387,6 +387,11 @@ def stage(step: int, args: Args) -> tuple[bool, float, int]:
     return mixing, (args.off_policy_p if mixing else 0.0), (args.utd if mixing else 1)
 
 
+def fresh_count(step: int, args: Args) -> int:
+    """(1-p)*B, the step's fresh prompts over all ranks; the other p*B: the deque's."""
+    return round((1.0 - stage(step, args)[1]) * args.prompts_per_step)
+
+
 def reincarnate(policy, reference, replay: collections.deque):
     """Reincarnation at T (Eq. 6): pi_ref <- pi_T, the deque emptied; the rest carries on."""
     if reference is not None:  # none without a KL term (--kl-beta 0)
@@ -441,12 +446,16 @@ METHOD = runner.Method(finalize=finalize_args, build_prompt=build_prompt, final_
                        reflection_words=SELF_REFLECTION_WORDS, recomputed=RECOMPUTED)
 
 
-def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list[list[dict]]:
+def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args,
+           drawn=None) -> list[list[dict]]:
     """1. group_size responses of pi_k to each of this rank's fresh prompts (a group); each vLLM
-    request seeded by the prompt's index in the step, so a resumed run draws the same tokens."""
+    request seeded by the prompt's index in the step, so a resumed run draws the same tokens.
+    drawn (--overlap): (version, groups) the sampler process drew with pi_version, mu included."""
     mine, engine, first, offset = dist.prompt_shares(prompts, args.vllm_tp)  # rank's; its engine's
     sampling = (args.temperature, args.top_p, args.max_response_tokens)
-    if llm is not None:
+    if drawn is not None:
+        version, groups = drawn
+    elif llm is not None:
         seeds = [engines.request_seed(args.seed, step, first + i, args.group_size)
                  for i in range(len(engine))]
         groups = engines.vllm_generate(llm, [p.ids for p in engine], args.group_size, seeds,
@@ -456,10 +465,12 @@ def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args) -> list
                                      *sampling, engines.hf_batch(args))
     # a group id unique over the run and the ranks: the prompt's index in the step (under a million)
     return [[{"prompt_ids": prompt.ids, "response_ids": response or [tokenizer.pad_token_id],
-              "answer": prompt.answer, "version": step, "truncated": finish == "length",
+              "answer": prompt.answer, "version": version if drawn else step,
+              "truncated": finish == "length",
               "group": step * 1_000_000 + first + offset + i,
-              "sampler_logp": None if logps is None or not response else logps}
-             for response, finish, logps in group]
+              "sampler_logp": None if logps is None or not response else logps,
+              **({"behaviour_logp": mu[0]} if mu else {})}
+             for response, finish, logps, *mu in group]
             for i, (prompt, group) in enumerate(zip(mine, groups))]
 
 
@@ -481,12 +492,13 @@ def logp_of(args: Args):
 
 
 def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args):
-    """3. Store with each fresh sample mu, the trainer's log-probs (Decision 1), and pi_ref's: both
-    fixed until reincarnation empties the deque (Decision 16)."""
+    """3. Store with each fresh sample mu, the trainer's log-probs (Decision 1; a batch drawn ahead
+    brings its own, Decision 22), and pi_ref's: fixed until reincarnation (Decision 16)."""
     budget = args.max_tokens_per_micro_batch
     for key, model in (("behaviour_logp", policy), ("ref_logp", reference)):
+        todo = [s for s in fresh if key not in s]
         if model is not None:  # no reference without a KL term
-            for s, logp in zip(fresh, models.per_token(logp_of(args), model, fresh, budget)):
+            for s, logp in zip(todo, models.per_token(logp_of(args), model, todo, budget)):
                 s[key] = logp  # [L_i]
     if args.sampler_is_cap is not None:  # stored with the sample: replayed, it keeps its weight
         for s in fresh:
@@ -494,13 +506,16 @@ def behaviour_and_reference(fresh: list[dict], policy, reference, args: Args):
                                                     args.sampler_is_cap)
 
 
-def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, args: Args):
-    """4. log pi_k on the historical samples (on fresh ones pi_k = mu), marked so; values on all."""
+def prox_and_values(fresh: list[dict], history: list[dict], policy, critic, step: int, args: Args):
+    """4. log pi_k of samples pi_k did not draw (on the rest pi_k = mu), marked; values on all."""
     budget = args.max_tokens_per_micro_batch
     for s in fresh:
         s["prox_logp"], s["historical"] = s["behaviour_logp"], False
-    for s, logp in zip(history, models.per_token(logp_of(args), policy, history, budget)):
-        s["prox_logp"], s["historical"] = logp, True
+    for s in history:
+        s["historical"] = True
+    older = [s for s in fresh + history if s["version"] != step]  # replayed, or drawn ahead
+    for s, logp in zip(older, models.per_token(logp_of(args), policy, older, budget)):
+        s["prox_logp"] = logp
     if critic is not None:
         batch = fresh + history
         for s, v in zip(batch, models.per_token(critic_forward, critic, batch, budget)):
@@ -599,17 +614,31 @@ def train(args: Args, on_step=None) -> dict:
     policy, reference, critic = models.load(args, session.checkpoint)  # pi_theta, pi_ref, V
     optimizers = [models.optimizer(net, lr, args.weight_decay, args.offload)  # AdamW
                   for net, lr in ((policy, args.actor_lr), (critic, args.critic_lr)) if net]
-    llm = engines.start(args, session.max_model_len) if args.sampler == "vllm" else None  # vLLM
+    vllm = args.sampler == "vllm" and not args.overlap  # --overlap: the sampler process's engine
+    llm = engines.start(args, session.max_model_len) if vllm else None  # vLLM
+    sampler = None if not args.overlap else overlap.Sampler(  # draws ahead: an engine, pi for mu
+        args, session.max_model_len, policy, policy_forward, tokenizer,
+        (args.group_size, args.temperature, args.top_p, args.max_response_tokens))
     replay = collections.deque(maxlen=args.window)  # the last N policies' fresh batches
-    session.start(policy, reference, critic, optimizers, replay, llm)  # --out; a resume's state
+    session.start(policy, reference, critic, optimizers, replay, llm, sampler)  # --out, a resume
     with session:  # Ctrl-C, SIGTERM: one line naming the last checkpoint
         if args.eval_every and session.step == 0:  # the base policy's Pass@1
             session.log({"step": 0, **session.evaluate(0)})
         for step in session.steps():
             mixing, p, utd = stage(step, args)
-            n_fresh = round((1.0 - p) * args.prompts_per_step)  # all ranks'; the rest: the deque's
+            n_fresh = fresh_count(step, args)
             # 1. sample G responses from pi_k to each of (1-p)*B fresh prompts, and 2. score them
-            groups = sample(llm, policy, tokenizer, session.next_prompts(n_fresh), step, args)
+            if sampler is None:
+                groups = sample(llm, policy, tokenizer, session.next_prompts(n_fresh), step, args)
+            else:  # --overlap: pi_{k-1} drew it while step k-1 trained (pi_k at step 1, after T)
+                if not sampler.holds(step):
+                    sampler.draw(step, session.next_prompts(n_fresh), step)
+                prompts, drawn = sampler.take(step)
+                after_t = args.reincarnation and step >= args.reincarnate_step  # drained at T
+                if step < args.steps and (args.overlap_after_reincarnation or not after_t):
+                    # the batch boundary: pi_k's weights go with step k+1's prompts
+                    sampler.draw(step + 1, session.next_prompts(fresh_count(step + 1, args)), step)
+                groups = sample(None, policy, tokenizer, prompts, step, args, drawn)
             fresh = [s for group in groups for s in group]
             score(fresh, tokenizer, args)
             engines.sleep(llm)  # GPU sleep mode: the engine's memory is the trainer's until push
@@ -621,7 +650,7 @@ def train(args: Args, on_step=None) -> dict:
             if p > 0:  # the deque stores fresh batches while they can be replayed; drops the oldest
                 replay.append(groups)
             batch = fresh + history
-            prox_and_values(fresh, history, policy, critic, args)
+            prox_and_values(fresh, history, policy, critic, step, args)
             # 5. advantages, 6. utd passes of Mix-PPG + KL-Convex updates
             diagnostics = offpolicy_diagnostics(compute_advantages(batch, args), fresh, args)
             lam = kl_convex_lambda(step, args.kl_convex_start, args.kl_convex_every)  # Eq. 5

@@ -27,6 +27,8 @@ LOOP_TESTS = "spied or further or entropy_bonus or kl_coefficient or unpadded or
 FAST_TESTS = ("-m", "not slow", "test_remix.py", "tests/test_runs.py")
 SLEEP_TESTS = ("-m", "slow", "tests/test_sleep_mode.py::test_training_with_sleep_mode_runs_every_sequence_and_changes_"
                "nothing")
+OVERLAP_TESTS = ("-m", "slow", "tests/test_overlap.py::test_each_fresh_batch_carries_the_version_and_mu_of_the_policy_"
+                 "that_drew_it")
 
 # name -> (file, exact original text, mutated text[, the tests that run instead of FAST_TESTS])
 MUTANTS = {
@@ -57,8 +59,8 @@ MUTANTS = {
     "reference log-probs computed with the policy": (
         "remix.py", '(("behaviour_logp", policy), ("ref_logp", reference))', '(("behaviour_logp", policy), ("ref_logp", policy))'),
     "pi_k on history computed with the reference": (
-        "remix.py", "prox_and_values(fresh, history, policy, critic, args)",
-        "prox_and_values(fresh, history, reference, critic, args)"),
+        "remix.py", "prox_and_values(fresh, history, policy, critic, step, args)",
+        "prox_and_values(fresh, history, reference, critic, step, args)"),
     "stored behaviour log-probs ignored in the loss (mu := pi_k)": (
         "remix.py", 'mix_ppg_loss(logp, mb["behaviour_logp"], prox,', 'mix_ppg_loss(logp, prox, prox,'),
     "stored behaviour log-probs ignored in the traces (every c = 1)": (
@@ -131,6 +133,13 @@ MUTANTS = {
     "the push leaves the KV cache asleep": (
         "machinery/engines.py", '        llm.wake_up(tags=["kv_cache"])  # the last tag: vLLM resumes its scheduler\n',
         "        pass\n", SLEEP_TESTS),
+    "--overlap: the batch drawn ahead tagged with the step it is for (version off by one)": (
+        "remix.py", "sampler.draw(step + 1, session.next_prompts(fresh_count(step + 1, args)), step)",
+        "sampler.draw(step + 1, session.next_prompts(fresh_count(step + 1, args)), step + 1)", OVERLAP_TESTS),
+    "--overlap: mu from the trainer's policy, a step after the one that drew the batch": (
+        "remix.py", "        todo = [s for s in fresh if key not in s]\n", "        todo = fresh\n", OVERLAP_TESTS),
+    "--overlap: the sampler's copy never given the weights that draw": (
+        "machinery/engines.py", '    served["copy"].load_state_dict(named)\n', "", OVERLAP_TESTS),
 }
 
 

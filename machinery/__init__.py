@@ -11,6 +11,7 @@ its prompts. Each module imports only modules listed below it, at its top or ins
 (tests/test_machinery.py reads the whole graph).
 
     runner       a program's entry (main, cli) and the Session that carries a training run's schedule
+    overlap      --overlap's sampler: a process of its own drawing step k+1's batch while step k trains
     report       Pass@1 on the benchmarks (eval.py's and training's), and a run's logs and metrics
     plan         before step 1: the disk and memory a run will take, and the flags that make one fit that does not
     checkpoints  checkpoints written with a manifest of digests, rotated, read back for a resume

@@ -122,7 +122,10 @@ STATE = {"args": {"method": dict[str, typing.Any], "run": dict[str, typing.Any]}
          "method": {"file": str, "sha256": str | None}, "inputs": dict[str, typing.Any],
          "replay": list[list[list[dict[str, typing.Any]]]],  # batches of groups of samples
          "progress": dict.fromkeys(("step", "rollouts", "tokens", "data_position", "bad_updates"), int),
-         "rng": dict[str, typing.Any], "world_size": int, "format": int}
+         "rng": dict[str, typing.Any], "world_size": int, "format": int,
+         "in_flight": dict[str, typing.Any] | None}  # --overlap: the next step's batch, drawn (overlap.Sampler.state)
+IN_FLIGHT = {"step": int, "version": int, "prompts": list[tuple[typing.Any, ...]],
+             "drawn": list[list[tuple[typing.Any, ...]]]}
 
 def write_rank_files(tmp: str, optimizers: dict, trainer_state: dict):
     state = {**trainer_state, "rng": rng_state(), "world_size": dist.world(), "format": FORMAT}
@@ -316,7 +319,10 @@ def read(folder: str, settings: type | None = None) -> tuple[dict, dict]:
 def check_state(state, path: str, step: int, settings: type | None = None) -> dict:
     """A trainer state as a save writes it, its settings as one dict; else Refused naming the first thing that is not:
     STATE's fields and types, each setting of its settings class's field type (a fork's own flag is check_writer's),
-    RNG states that restore, replayed samples that share fields and types, the step of its folder and its manifest."""
+    RNG states that restore, replayed samples that share fields and types, the step of its folder and its manifest, a
+    batch in flight's fields and step (the next one)."""
+    if isinstance(state, dict):  # saved before --overlap was: nothing in flight
+        state.setdefault("in_flight", None)
     problems = [console.unlike(state, STATE, "state")]
     if not problems[0]:
         saved, hints = {**state["args"]["method"], **state["args"]["run"]}, typing.get_type_hints(settings or object)
@@ -329,6 +335,9 @@ def check_state(state, path: str, step: int, settings: type | None = None) -> di
                      rng and f"state.rng cannot be restored ({rng})",
                      state["progress"]["step"] != step and f"state.progress.step is {state['progress']['step']}, its "
                                                            f"folder's and manifest's step {step}"]
+        if (ahead := state["in_flight"]) is not None:  # --overlap's batch drawn for the next step
+            problems.append(console.unlike(ahead, IN_FLIGHT, "state.in_flight") or ahead["step"] != step + 1 and
+                            f"state.in_flight.step is {ahead['step']}, not the step after its folder's, {step + 1}")
     if problem := next(filter(None, problems), None):
         raise Refused(f"{path} is not a trainer state as this remix saves it: {problem}")
     return {**state, "args": saved}

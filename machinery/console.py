@@ -167,9 +167,12 @@ def on_stop(line):
     """line() -> what a signal's line says after its name ('at step 3; the last checkpoint is ...')."""
     _state["stop_line"] = line
 
+def stopped_at() -> str:
+    """What a stop's line says of where the run is ('at step 3; the last checkpoint is ...')."""
+    return _state["stop_line"]() if _state["stop_line"] else "while starting; nothing to resume"
+
 def stop_line(signum) -> str:
-    tail = _state["stop_line"]() if _state["stop_line"] else "while starting; nothing to resume"
-    return f"{NAMES[signum]} {tail}"
+    return f"{NAMES[signum]} {stopped_at()}"
 
 class Stopped(KeyboardInterrupt):
     """A signal that ended a program, with the one line that says what is kept and how to continue."""
@@ -252,6 +255,10 @@ class RunArgs:
     """GPU only: vLLM sleeps (level 2: weights and KV cache freed, no host copy) from each sample to its push"""
     vllm_tp: int = 1
     """in [1, 1024]: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
+    overlap: bool = False
+    """asynchronous ReMix: a sampler process (a GPU of its own) draws step k+1's batch with pi_k while step k trains"""
+    overlap_after_reincarnation: bool = False
+    """--overlap after T too (the clip corrects the one step); without it the sampler drains at T, then synchronous"""
     offload: bool = False
     """keep each trained model's fp32 weights, gradients and AdamW state in host memory (FSDP2's CPU offload)"""
     precision: Annotated[Literal["bf16", "fp32"] | None, hint("(default: bf16 on GPU, fp32 on CPU)")] = None
@@ -406,6 +413,10 @@ def check_args(args, world: int):
                f"{args.off_policy_p}) cannot split into whole groups over {world} processes: make each a multiple "
                f"of {world}"),
               (world % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {world} processes"),
+              (not args.overlap or args.sampler == "vllm", "--overlap needs --sampler vllm (the sampler process's "
+               "engine)"),
+              (not args.overlap or world == 1, "--overlap runs the sampler beside one trainer process: under torchrun "
+               "it is not built yet; run one process, or without --overlap"),
               (args.sampler_is_cap is None or args.sampler == "vllm",
                "--sampler-is-cap needs --sampler vllm (the sampler's log-probs come from vLLM)"),
               (not args.track or importlib.util.find_spec("wandb") is not None,

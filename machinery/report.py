@@ -159,7 +159,8 @@ def during_training(session, step: int) -> dict:
     """Greedy Pass@1 on --eval-benchmarks by training's sampler into OUT/eval/step-STEP.jsonl; the eval/* entries."""
     args, method, problems = session.args, session.method, session.benchmarks
     prompts = [session.encode(p["problem"]) for p in problems]
-    generated = engines.generate(session.llm if session.llm is not None else session.nets["policy"], session.tokenizer,
+    sampler = next(s for s in (session.llm, session.sampler, session.nets["policy"]) if s is not None)
+    generated = engines.generate(sampler, session.tokenizer,
                                  prompts, 1, 0.0, 1.0, args.eval_max_tokens or args.max_response_tokens, args.seed,
                                  args.vllm_tp, engines.hf_batch(args), label=f"evaluation at step {step}")
     record = {}
@@ -321,6 +322,7 @@ def step_metrics(step: int, fresh: list[dict], history: list[dict], diagnostics:
            "length": [len(s["response_ids"]) for s in fresh], "truncated": [s["truncated"] for s in fresh],
            "reflects": [s["reflects"] for s in fresh], "zero_spread": diagnostics["zero_spread"].tolist(),
            "grader": [s.get("status", "ok") for s in fresh], "age": [step - s["version"] for s in history],
+           "staleness": [step - s["version"] for s in fresh],
            "ratio_min": [log_ratio.min().exp().item()] if len(log_ratio) else [],
            "ratio_max": [log_ratio.max().exp().item()] if len(log_ratio) else [],
            "trace_prod": diagnostics["trace_prod"].tolist(), "mismatch_max": [mismatch[-1]]}
@@ -350,6 +352,7 @@ def step_metrics(step: int, fresh: list[dict], history: list[dict], diagnostics:
         "train/optimizer_steps": len(stats.get("train/optimizer_steps", [])),
         "train/skipped_updates": len(stats.get("train/skipped_updates", [])),
         "batch/fresh": len(rewards), "batch/historical": len(merged["trace_prod"]),
+        "batch/staleness": mean(merged["staleness"]),  # of the fresh batch's policy: 1 drawn ahead (--overlap)
         "offpolicy/ratio_min": min(merged["ratio_min"], default=1.0),  # pi_k/mu on historical tokens; 1 without
         "offpolicy/ratio_mean": exp_sum / count if count else 1.0,
         "offpolicy/ratio_max": max(merged["ratio_max"], default=1.0), "offpolicy/log_ratio_mean": lr_mean,

@@ -216,7 +216,7 @@ class Session:
             fail(f"{flag} {value} is read from {entry}, inside --out {args.out}, where this run writes and deletes "
                  f"(--overwrite, a checkpoint's rotation): nothing a run reads is deleted by it; {way}")
 
-    def start(self, policy, reference, critic, optimizers: list, replay, llm):
+    def start(self, policy, reference, critic, optimizers: list, replay, llm, sampler=None):
         """--out locked, prepared and checked path by path, plan.json written; a resumed run's state put back."""
         args = self.args
         runfolder.lock(args.out)
@@ -225,6 +225,7 @@ class Session:
         runfolder.check_writes(args.out, planned_writes(args, self.state["progress"]["step"] if self.state else 0))
         plan.write(self.plan, args.out, runfolder.replace_file)
         self.nets, self.replay, self.llm = {"policy": policy, "critic": critic, "reference": reference}, replay, llm
+        self.sampler = sampler  # --overlap's sampler process
         self.optimizers = dict(zip(["policy", "critic"][: len(optimizers)], optimizers))
         for seed_fn in (random.seed, np.random.seed, torch.manual_seed):  # after vLLM's start, which reseeds
             seed_fn(args.seed + dist.rank())
@@ -236,6 +237,8 @@ class Session:
             replay.extend(self.state["replay"])
             checkpoints.set_rng_state(self.state["rng"])
             engines.push_weights(llm, policy)  # the engine started from the base weights (no engine: nothing)
+            if sampler is not None and (ahead := self.state["in_flight"]) is not None:  # drawn ahead, saved
+                sampler.restore({**ahead, "prompts": [Prompt(*p) for p in ahead["prompts"]]})
             say(f"resuming {args.out} after step {self.progress['step']} from {self.checkpoint}")
         self.log_file = report.RunLog(args.out, dataclasses.asdict(args), self.progress["step"], args.track,
                                       kept=lambda: resume_line(args.out))
@@ -249,6 +252,8 @@ class Session:
 
     def __exit__(self, kind, error, trace):
         self.log_file.close()
+        if self.sampler is not None:  # --overlap's sampler ends with the run, however it ends
+            self.sampler.close()
         # the line names the last step without holding this Session: a later train() must get the models back
         console.on_stop(lambda step=self.step, out=self.args.out: f"at step {step}; {resume_line(out)}")
         if error is not None and console.from_signal(error):
@@ -320,7 +325,8 @@ class Session:
         """checkpoint-STEP (the reference only once reincarnated: before, it is the base model, loaded again)."""
         nets = {**self.nets, "reference": self.nets["reference"] if reincarnated else None}
         state = {"args": checkpoints.saved_settings(self.args), "method": self.written_by, "inputs": self.inputs,
-                 "replay": list(self.replay), "progress": {**self.progress, "bad_updates": models.in_a_row()}}
+                 "replay": list(self.replay), "progress": {**self.progress, "bad_updates": models.in_a_row()},
+                 "in_flight": self.sampler.state() if self.sampler is not None else None}  # --overlap
         checkpoints.save(self.args.out, step, nets, self.tokenizer, self.optimizers, state, self.args.keep_last)
 
 def char_bound(tokenizer, tokens: int) -> int:

@@ -69,7 +69,8 @@ class FakeTokenizer:
 def trainer_state(step: int, run: dict | None = None) -> dict:
     """What Session.save hands checkpoints.save at step (no settings but run's, an empty deque)."""
     return {"args": {"method": {}, "run": run or {}}, "method": {"file": "remix.py", "sha256": None}, "inputs": {},
-            "replay": [], "progress": {"step": step, "rollouts": 0, "tokens": 0, "data_position": 0, "bad_updates": 0}}
+            "replay": [], "progress": {"step": step, "rollouts": 0, "tokens": 0, "data_position": 0, "bad_updates": 0},
+            "in_flight": None}
 
 
 def save(out: Path, step: int, keep_last: int):
@@ -944,6 +945,10 @@ HAND_EDITS = {  # a field of checkpoint-2's trainer state removed or retyped, it
     "settings-not-parted": (lambda s: s.update(args={**s["args"]["method"], **s["args"]["run"]}),
                             "state.args.actor_lr is no field a save writes"),
     "inputs-a-list": (lambda s: s.update(inputs=[]), "state.inputs is []"),
+    "in-flight-of-another-step": (lambda s: s.update(in_flight={"step": 2, "version": 1, "prompts": [], "drawn": []}),
+                                  "state.in_flight.step is 2, not the step after its folder's, 3"),
+    "in-flight-without-its-batch": (lambda s: s.update(in_flight={"step": 3, "version": 2, "prompts": []}),
+                                    "state.in_flight.drawn is missing"),
 }
 
 

@@ -1,8 +1,9 @@
-"""machinery/'s shape, read from its source: at most 12 files of at most 450 lines and 4,000 in all, each opening with
-a one-line statement of its job; the product (every .py outside the tests, the toy and the benchmarks) at most 5,217
-lines; machinery/__init__.py's map lists every module once, in an order where each imports only modules listed below
-it, counting every import, those inside functions too; no module imports remix; no import circle; at most 35
-connected pairs of modules; the bottom module (what prints and ends a program) imports none of them. The walk is
+"""machinery/'s shape, read from its source: at most 13 files of at most 450 lines and 4,272 in all (4,000 and 3,872
+before --overlap, which may add 400 in one module), each opening with a one-line statement of its job; the product
+(every .py outside the tests, the toy and the benchmarks) at most 5,469 lines (5,217 before --overlap);
+machinery/__init__.py's map lists every module once, in an order where each imports only modules listed below it,
+counting every import, those inside functions too; no module imports remix; no import circle; at most 38 connected
+pairs of modules (35 before --overlap); the bottom module (what prints and ends a program) imports none of them. The walk is
 checked on planted packages too, so a walk that found nothing would fail."""
 
 import ast
@@ -14,7 +15,7 @@ import pytest
 from tests.common import ROOT
 
 MACHINERY = ROOT / "machinery"
-MAX_FILES, MAX_LINES, MAX_TOTAL, MAX_PRODUCT, MAX_PAIRS = 12, 450, 4000, 5217, 35
+MAX_FILES, MAX_LINES, MAX_TOTAL, MAX_PRODUCT, MAX_PAIRS = 13, 450, 4272, 5469, 38
 BOTTOM = "console"  # fail, say, progress, signals: the rank and a stopped run's line reach it as values
 
 
@@ -113,7 +114,7 @@ def test_machinery_is_small_each_file_opening_with_its_job_in_one_line():
             f"{path.name}'s docstring does not open with one line saying its job: {first!r}"
 
 
-def test_the_product_is_at_most_5222_lines():
+def test_the_product_stays_within_its_bound():
     """Every .py file outside tests/, benchmarks/, toy/, test_remix.py and conftest.py."""
     product = [p for p in ROOT.rglob("*.py") if not {"tests", "benchmarks", "toy", ".venv", ".git"} & set(
         p.relative_to(ROOT).parts) and p.name not in ("test_remix.py", "conftest.py")]

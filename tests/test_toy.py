@@ -224,7 +224,7 @@ def test_method_args_refuse_each_flag_the_toy_sets_for_both_arms_naming_the_toys
     assert {"steps", "actor_lr", "algo", "prompts_per_step", "group_size", "sampler", "model", "out", "seed"} <= given
     instead = {"steps": "--steps", "actor_lr": "--lr", "reincarnate_step": "--reincarnate-step", "seed": "--seeds",
                "algo": "--configs", "prompts_per_step": "--configs", "utd": "--configs", "out": "--out",
-               "model": "--cache", "dataset": "--cache", "sampler": "the toy fixes it"}
+               "model": "--cache", "dataset": "--cache", "sampler": "--configs"}  # remix-ppo/vllm and ppo/vllm
     for field in given:
         flag = "--" + field.replace("_", "-")
         line = refused(capsys, lambda: toy.parse_method_args(remix.Args, f"{flag} 1"))

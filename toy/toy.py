@@ -101,6 +101,9 @@ CONFIGS = {  # name -> remix.Args overrides; ReMix is the paper's defaults p = 0
     "remix-grpo/N=1": {**GRPO, "window": 1},  # staleness: only the last policy's batch
     "remix-grpo/p-schedule": {**GRPO, "fork": "p_schedule"},  # p(t) falls to 0 over T instead of a hard switch
     "remix-grpo/clip-at-1": {**GRPO, "fork": "clip_centred_at_one"},  # the clip centred at 1, not at pi_k/mu
+    # vLLM's sampler instead of transformers': the arms --method-args="--overlap" compares (benchmarks/overlap.md)
+    "remix-ppo/vllm": {**PPO, "sampler": "vllm"},
+    "ppo/vllm": {**PPO, "on_policy": True, "sampler": "vllm"},
 }
 TABLE3 = {"UTD": "no-utd", "KL-Convex": "no-kl-convex", "reincarnation": "no-reincarnation"}  # without ... -> suffix
 CAUSES = ("remix-grpo/informative-groups", "remix-grpo/recency", "remix-grpo/N=1", "remix-grpo/p-schedule",
@@ -387,19 +390,19 @@ def run(job: str, toy: str, out: str, eval_every: int, method_args: str = "", pr
         # the Whipping-Effect question: for historical samples, log(pi_k / mu) and the advantage by length
         buckets = {}
         for s in batch:
-            if s["version"] < step:
+            if s["historical"]:
                 entry = buckets.setdefault(bucket_of(len(s["response_ids"])), [0, 0.0, 0.0])
                 entry[0] += 1
                 entry[1] += (s["prox_logp"] - s["behaviour_logp"]).mean().item()
                 entry[2] += s["advantages"].mean().item()
-        fresh = [s for s in batch if s["version"] == step]
+        fresh = [s for s in batch if not s["historical"]]  # drawn this step, or a step ahead (--overlap)
         worked = sum(not tokenizer.decode(s["response_ids"], skip_special_tokens=True).lstrip().startswith("\\boxed")
                      for s in fresh) / len(fresh)
         per_step.append({"step": step, "reward": record["reward/mean"], "length": record["response/length_mean"],
                          "worked_share": worked, "log_ratio_sd": record["offpolicy/log_ratio_std"],
                          "trace_prod_mean": record["offpolicy/trace_prod_mean"],
                          "clipfrac": record.get("losses/clipfrac"),
-                         "historical_zero_spread": zero_spread_share([s for s in batch if s["version"] < step]),
+                         "historical_zero_spread": zero_spread_share([s for s in batch if s["historical"]]),
                          "historical_by_length": {k: {"n": n, "log_ratio": lr_sum / n, "advantage": adv_sum / n}
                                                   for k, (n, lr_sum, adv_sum) in sorted(buckets.items())}})
         if step == steps:

@@ -1,0 +1,125 @@
+"""--overlap's sampler: a process of its own drawing step k+1's batch with pi_k while the trainer trains step k.
+
+The process is a grader.Worker (a fresh interpreter, ended by the kernel with the trainer) holding a vLLM engine and a
+copy of the policy in the compute dtype. The trainer's weights reach it with each batch it is asked to draw, so at a
+batch boundary only; it returns each response with mu, the method's log pi on the copy of the policy that drew it
+(Decision 22: the trainer's code on the sampler's weights, what a synchronous step stores). At most one batch is in
+flight: a save, an evaluation or the next draw waits for it, and a checkpoint holds it (its policy is gone).
+"""
+
+import contextlib
+import time
+from multiprocessing import connection
+
+from machinery import console, engines, grader
+
+_served: dict = {}  # in the sampler process: its engine, its copy of the policy and the method's log pi
+
+def _start(settings: dict, max_model_len: int, logp: tuple, pad: int):
+    """In the sampler process: the engine and the copy (engines.serve), the method's log pi found by its reference."""
+    _served.update(engines.serve(settings, max_model_len), logp=grader.resolve(logp), pad=pad)
+
+def _draw(weights: bytes, prompts: list[list[int]], n: int, seeds: list[int], sampling: tuple, with_mu: bool):
+    """In the sampler process: the trainer's weights in, then n responses to each prompt (and their mu)."""
+    return engines.serve_draw(_served, weights, prompts, n, seeds, sampling, with_mu)
+
+class Sampler:
+    """The trainer's handle on the sampler process: draw() starts a step's batch with the policy's weights as they are
+    now, take() returns it once drawn. A sampler that fails, dies or outlives --dist-timeout stops the run in one line
+    that names the checkpoint to resume from; nothing is waited for without a deadline."""
+
+    def __init__(self, args, max_model_len: int, policy, logp, tokenizer, request: tuple):
+        """logp(model, batch, temperature)[0]: the method's log pi [n, l] of each response token (mu, on the copy);
+        tokenizer: its pad token stands for an empty response, as in the trainer's samples; request: (n responses a
+        prompt, temperature, top_p, max tokens), each prompt seeded by its index in the step as the method seeds."""
+        self.args, self.policy, self.n, self.sampling = args, policy, request[0], request[1:]
+        self.in_flight, self.ready, self.kept = None, None, contextlib.ExitStack()
+        self.kept.enter_context(engines.kept_threads())  # on a CPU the trainer's share of the cores, until close()
+        self.worker = grader.Worker(engines.sampler_env(args))
+        settings = {name: getattr(args, name) for name in engines.SERVED_SETTINGS}
+        self.worker.tasks.send((grader.reference(_start), (settings, max_model_len, grader.reference(logp),
+                                                           tokenizer.pad_token_id)))
+        self.answer("starting its engine")
+
+    def draw(self, step: int, prompts: list, version: int):
+        """Step's batch, drawn from these prompts by the policy as it is now: pi_version, the trainer's at its step."""
+        if self.in_flight is not None or self.ready is not None:
+            raise RuntimeError(f"--overlap: step {(self.in_flight or self.ready[0])[0]}'s batch is not taken yet")
+        seeds = [engines.request_seed(self.args.seed, step, i, self.n) for i in range(len(prompts))]
+        self.send(engines.packed_weights(self.policy, self.args.precision), [p.ids for p in prompts], self.n, seeds,
+                  self.sampling, True)
+        self.in_flight = (step, prompts, version)
+
+    def holds(self, step: int) -> bool:
+        """Whether step's batch is drawn or being drawn (ahead, or saved with the checkpoint a run resumed from)."""
+        pending = self.in_flight or (self.ready[0] if self.ready else None)
+        return pending is not None and pending[0] == step
+
+    def take(self, step: int) -> tuple[list, tuple]:
+        """(prompts, (version, groups)) of step's batch, waiting for it while it is being drawn; groups: for each
+        prompt, its responses as engines.vllm_generate gives them, each with its mu [L] last."""
+        self.wait()
+        (drawn_for, prompts, version), groups = self.ready
+        if drawn_for != step:
+            raise RuntimeError(f"--overlap: the batch in flight is step {drawn_for}'s, not step {step}'s")
+        self.ready = None
+        return prompts, (version, groups)
+
+    def wait(self):
+        """The batch in flight, drawn: kept as ready (a save or an evaluation waits for it)."""
+        if self.in_flight is not None:
+            drawn = engines.unpacked(self.answer(f"drawing step {self.in_flight[0]}'s batch"))
+            self.in_flight, self.ready = None, (self.in_flight, drawn)
+
+    def state(self) -> dict | None:
+        """What a checkpoint keeps: the next step's batch, drawn by a policy the trainer no longer holds."""
+        self.wait()
+        if self.ready is None:
+            return None
+        (step, prompts, version), drawn = self.ready
+        return {"step": step, "version": version, "prompts": [tuple(p) for p in prompts], "drawn": drawn}
+
+    def restore(self, saved: dict | None):
+        """A resumed run's batch in flight, as state() returned it at the save (its prompts as the caller's again)."""
+        self.ready = None if saved is None else ((saved["step"], saved["prompts"], saved["version"]), saved["drawn"])
+
+    def vllm_generate(self, prompts: list[list[int]], n: int, seeds: list[int], temperature: float, top_p: float,
+                      max_tokens: int, logprobs: bool = False, use_tqdm=False):
+        """engines.vllm_generate's answer from the sampler's engine with the policy's weights now (an evaluation),
+        after the batch in flight."""
+        self.wait()
+        self.send(engines.packed_weights(self.policy, self.args.precision), prompts, n, seeds,
+                  (temperature, top_p, max_tokens), False)
+        return engines.unpacked(self.answer("generating an evaluation's responses"))
+
+    def send(self, *args):
+        try:
+            self.worker.tasks.send((grader.reference(_draw), args))
+        except OSError:  # its pipe is closed: it died, and answer() says how
+            pass
+
+    def answer(self, what: str):
+        """The sampler's answer to its one task, within --dist-timeout; a failure, a death or a hang: one line."""
+        deadline = time.monotonic() + self.args.dist_timeout * 60
+        while True:
+            if not connection.wait([self.worker.answers], max(deadline - time.monotonic(), 0.0)):
+                self.close()
+                self.stop(f"did not answer in --dist-timeout {self.args.dist_timeout:g} minutes while {what}")
+            try:
+                message = self.worker.answers.recv()
+            except EOFError:
+                code = self.worker.proc.wait()
+                self.stop(f"died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) while {what}")
+            if message == "go":
+                continue
+            if message[0] == "error":  # a refusal it printed (SystemExit) stands above this line
+                self.close()
+                self.stop(f"failed while {what}: {(message[1].strip().splitlines() or [''])[0][:300]}")
+            return message[1]
+
+    def stop(self, happened: str):
+        console.fail(f"the sampler process (--overlap) {happened}; {console.stopped_at()}")
+
+    def close(self):
+        self.worker.kill()
+        self.kept.close()

@@ -1,0 +1,176 @@
+"""Asynchronous ReMix (--overlap): the sampler process draws step k+1's batch with pi_k while step k trains.
+
+Each test reads what the run's wiring must give against the policy that really drew a batch: versions and staleness,
+mu from the sampler's copy of that policy, pi_k from the trainer's; a kill -9 of either process loses nothing; a run
+whose sampler never runs ahead is the synchronous run. Real vLLM (CPU build) in a real second process.
+
+    pytest -q -m "" tests/test_overlap.py
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import remix  # noqa: E402
+from machinery import console, models  # noqa: E402
+from tests.common import ROOT, plain_copy, read_metrics, tiny_args  # noqa: E402
+
+
+
+def overlapped_args(model, data, out, **overrides):
+    return tiny_args(model, data, out, **{"sampler": "vllm", "overlap": True, **overrides})
+
+
+@pytest.mark.slow
+def test_each_fresh_batch_carries_the_version_and_mu_of_the_policy_that_drew_it(tiny_model, train_file, tmp_path):
+    """Steps 1-4, T = 3: step 1 drawn by pi_1 (nothing ran ahead), steps 2 and 3 by pi_1 and pi_2 while steps 1 and
+    2 trained, step 4 by pi_4 (drained at T). mu is the drawing policy's log pi, pi_k the trainer's at the step."""
+    policies, seen = {}, []  # policies[k]: a plain copy of pi_k, the policy at the start of step k
+
+    def on_step(step, record, policy, tokenizer, batch):
+        fresh = [s for s in batch if not s["historical"]]
+        versions = {s["version"] for s in fresh}
+        assert len(versions) == 1
+        version = versions.pop()
+        logp = remix.logp_of(args)
+        mu = models.per_token(logp, policies[version], fresh, 1 << 20)
+        prox = models.per_token(logp, policies[step], fresh, 1 << 20)
+        seen.append((step, version, record["batch/staleness"],
+                     max((a - s["behaviour_logp"]).abs().max().item() for a, s in zip(mu, fresh)),
+                     max((a - s["prox_logp"]).abs().max().item() for a, s in zip(prox, fresh)),
+                     max((s["prox_logp"] - s["behaviour_logp"]).abs().max().item() for s in fresh)))
+        policies[step + 1] = plain_copy(policy)
+
+    args = overlapped_args(tiny_model, train_file, tmp_path / "run", steps=4, reincarnate_step=3,
+                           kl_convex_start=0, precision="fp32")
+    from transformers import AutoModelForCausalLM
+    policies[1] = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    remix.train(args, on_step=on_step)
+    assert [(step, version, staleness) for step, version, staleness, *_ in seen] == \
+        [(1, 1, 0.0), (2, 1, 1.0), (3, 2, 1.0), (4, 4, 0.0)]
+    for step, version, _, mu_gap, prox_gap, stale in seen:
+        assert mu_gap < 1e-5 and prox_gap < 1e-5, (step, mu_gap, prox_gap)  # the policies they name, exactly
+        assert (stale > 1e-3) == (version < step), (step, stale)  # one step of staleness is there to correct
+
+
+def cli(model, data, out) -> list[str]:
+    return [sys.executable, str(ROOT / "remix.py"), "--model", model, "--dataset", data, "--out", str(out),
+            "--sampler", "vllm", "--overlap", "--algo", "ppo", "--steps", "6", "--prompts-per-step", "10",
+            "--max-response-tokens", "24", "--mini-batch-prompts", "4", "--save-every", "2", "--seed", "5",
+            "--eval-every", "0", "--reincarnate-step", "5", "--kl-convex-start", "0"]
+
+
+def sampler_of(proc) -> int:
+    """The pid of a run's sampler process: its child that has vLLM loaded (grader workers do not)."""
+    for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+        if "vllm" in Path(f"/proc/{child}/maps").read_text():
+            return int(child)
+    raise AssertionError("the run has no sampler process")
+
+
+def into_step_after(proc, out, checkpoint: int):
+    deadline = time.time() + 300
+    while not (out / f"checkpoint-{checkpoint}" / "trainer_state.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the checkpoint"
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_a_kill_of_the_sampler_or_the_trainer_loses_nothing(tiny_model, train_file, tmp_path):
+    """A run whose sampler is killed (-9) in step 3 stops in one line naming the checkpoint to resume from; resumed, its
+    trainer is killed (-9) in step 5, and the sampler ends with it; resumed again, it ends as the uninterrupted run:
+    each checkpoint held the batch drawn ahead by a policy the resumed run no longer has."""
+    from tests.test_runs import comparable
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    subprocess.run(cli(tiny_model, train_file, tmp_path / "straight"), check=True, env=env, capture_output=True,
+                   timeout=600)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(cli(tiny_model, train_file, out), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    into_step_after(proc, out, 2)
+    os.kill(sampler_of(proc), signal.SIGKILL)
+    err = [line for line in proc.communicate(timeout=300)[1].strip().splitlines()
+           if "NUMA" not in line]  # on CPU torch prints one NUMA line when vLLM binds memory
+    assert proc.returncode == 2 and len(err) == 1, err
+    assert err[0].startswith("remix: error: the sampler process (--overlap) died (killed by signal 9) while "), err
+    assert err[0].endswith(f"the last checkpoint is {out / 'checkpoint-2'}; continue with --resume {out}"), err
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "remix.py"), "--resume", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    into_step_after(proc, out, 4)
+    sampler = sampler_of(proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    while os.path.exists(f"/proc/{sampler}") and "zombie" not in Path(f"/proc/{sampler}/status").read_text():
+        assert time.time() < deadline, "the sampler outlived its trainer"
+        time.sleep(0.1)
+    assert not (out / "checkpoint-6").exists(), "the run finished before it was killed"
+
+    done = subprocess.run([sys.executable, str(ROOT / "remix.py"), "--resume", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed, straight = read_metrics(out), read_metrics(tmp_path / "straight")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [r["batch/staleness"] for r in resumed] == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]  # drained at T = 5
+    assert [comparable(r) for r in straight] == [{k: v for k, v in r.items() if not k.startswith("perf/")}
+                                                 for r in resumed]
+
+
+@pytest.mark.slow
+def test_a_sampler_that_never_runs_ahead_is_the_synchronous_run(tiny_model, train_file, tmp_path):
+    """T = 0 drains from the start: every batch is drawn at its own step, by the sampler process's engine, with mu
+    from its copy; the run, its evaluations included, is the one vLLM in the trainer's process gives."""
+    from tests.test_runs import comparable
+
+    runs = {}
+    for overlap in (False, True):
+        out = tmp_path / f"overlap-{overlap}"
+        remix.train(tiny_args(tiny_model, train_file, out, sampler="vllm", overlap=overlap, reincarnate_step=0,
+                              eval_every=2, eval_limit=2, eval_benchmarks=("math500", "amc23")))
+        runs[overlap] = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(out)]
+    assert [r["step"] for r in runs[True]] == [0, 1, 2, 3] and runs[True][1]["batch/staleness"] == 0.0
+    for sync, overlapped in zip(runs[False], runs[True]):  # the engine's own log-probs (mismatch/*): on the
+        for key in [k for k in sync if k.startswith("mismatch/")]:  # sampler's one thread, equal to 1e-6
+            assert overlapped.pop(key) == pytest.approx(sync.pop(key), abs=1e-6), key
+        assert comparable(sync) == overlapped
+
+
+@pytest.mark.parametrize("overrides, world, line", [
+    (dict(sampler="hf"), 1, "--overlap needs --sampler vllm (the sampler process's engine)"),
+    ({}, 2, "--overlap runs the sampler beside one trainer process: under torchrun it is not built yet; run one "
+            "process, or without --overlap")])
+def test_an_overlap_that_cannot_run_is_one_line(overrides, world, line, tiny_model, train_file, tmp_path, capsys):
+    args = remix.finalize_args(overlapped_args(tiny_model, train_file, tmp_path / "run", **overrides))
+    with pytest.raises(SystemExit) as stopped:
+        console.check_args(args, world)
+    assert stopped.value.code == 2 and capsys.readouterr().err == f"remix: error: {line}\n"
+
+
+def test_the_sampler_takes_the_gpu_after_the_trainers_and_never_the_only_one(monkeypatch, capsys):
+    """GPU only (its branch run here with torch.cuda's answers set): one process trains on GPU 0, the sampler gets the
+    next visible GPU; a machine showing one GPU is refused in one line, the two would share it."""
+    from machinery import engines
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert engines.sampler_env(None) == {"CUDA_VISIBLE_DEVICES": "1"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert engines.sampler_env(None) == {"CUDA_VISIBLE_DEVICES": "5"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(SystemExit):
+        engines.sampler_env(None)
+    assert capsys.readouterr().err.startswith("remix: error: --overlap needs a GPU for the sampler beside the "
+                                              "trainer's, and this machine shows one")
