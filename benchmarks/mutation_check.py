@@ -133,12 +133,12 @@ MUTANTS = {
     "the push leaves the KV cache asleep": (
         "machinery/engines.py", '        llm.wake_up(tags=["kv_cache"])  # the last tag: vLLM resumes its scheduler\n',
         "        pass\n", SLEEP_TESTS),
-    "--overlap: the batch drawn ahead tagged with the step it is for (version off by one)": (
+    "overlap: the batch drawn ahead tagged with the step it is for (version off by one)": (
         "remix.py", "sampler.draw(step + 1, session.next_prompts(fresh_count(step + 1, args)), step)",
         "sampler.draw(step + 1, session.next_prompts(fresh_count(step + 1, args)), step + 1)", OVERLAP_TESTS),
-    "--overlap: mu from the trainer's policy, a step after the one that drew the batch": (
+    "overlap: mu from the trainer's policy, a step after the one that drew the batch": (
         "remix.py", "        todo = [s for s in fresh if key not in s]\n", "        todo = fresh\n", OVERLAP_TESTS),
-    "--overlap: the sampler's copy never given the weights that draw": (
+    "overlap: the sampler's copy never given the weights that draw": (
         "machinery/engines.py", '    served["copy"].load_state_dict(named)\n', "", OVERLAP_TESTS),
 }
 
