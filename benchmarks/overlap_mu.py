@@ -37,7 +37,7 @@ def measure(model: str, data: str, out: Path, precision: str, steps: int) -> dic
     from machinery import console, dist, models
 
     dtype = models.compute_dtype(precision)
-    copy = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+    copy = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=False).eval()
     gaps = {"engine": [], "copy": [], "staleness": []}
 
     def on_step(step, record, policy, tokenizer, batch):

@@ -53,7 +53,7 @@ def test_each_fresh_batch_carries_the_version_and_mu_of_the_policy_that_drew_it(
     args = overlapped_args(tiny_model, train_file, tmp_path / "run", steps=4, reincarnate_step=3,
                            kl_convex_start=0, precision="fp32")
     from transformers import AutoModelForCausalLM
-    policies[1] = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    policies[1] = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, trust_remote_code=False).eval()
     remix.train(args, on_step=on_step)
     assert [(step, version, staleness) for step, version, staleness, *_ in seen] == \
         [(1, 1, 0.0), (2, 1, 1.0), (3, 2, 1.0), (4, 4, 0.0)]
