@@ -450,11 +450,11 @@ def sample(llm, policy, tokenizer, prompts: list, step: int, args: Args,
            drawn=None) -> list[list[dict]]:
     """1. group_size responses of pi_k to each of this rank's fresh prompts (a group); each vLLM
     request seeded by the prompt's index in the step, so a resumed run draws the same tokens.
-    drawn (--overlap): (version, groups) the sampler process drew with pi_version, mu included."""
+    drawn (--overlap): (version, the step's groups) the sampler drew with pi_version, mu in them."""
     mine, engine, first, offset = dist.prompt_shares(prompts, args.vllm_tp)  # rank's; its engine's
     sampling = (args.temperature, args.top_p, args.max_response_tokens)
-    if drawn is not None:
-        version, groups = drawn
+    if drawn is not None:  # the whole step's groups: this rank's from its first prompt on
+        version, groups = drawn[0], drawn[1][first + offset :]
     elif llm is not None:
         seeds = [engines.request_seed(args.seed, step, first + i, args.group_size)
                  for i in range(len(engine))]

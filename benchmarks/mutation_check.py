@@ -140,6 +140,15 @@ MUTANTS = {
         "remix.py", "        todo = [s for s in fresh if key not in s]\n", "        todo = fresh\n", OVERLAP_TESTS),
     "overlap: the sampler's copy never given the weights that draw": (
         "machinery/engines.py", '    served["copy"].load_state_dict(named)\n', "", OVERLAP_TESTS),
+    "overlap under torchrun: every rank given the whole batch, not its share": (
+        "remix.py", "version, groups = drawn[0], drawn[1][first + offset :]",
+        "version, groups = drawn", ("-m", "slow", "tests/test_overlap.py::test_under_torchrun_a_sampler_that_"
+                                              "never_runs_ahead_is_the_synchronous_run")),
+    "overlap: a tensor-parallel sampler's second process never given the weights": (
+        "machinery/engines.py", '    push_tensors(served["llm"], named.items())\n',
+        '    push_tensors(served["llm"], named.items()) if dist.rank() == 0 else None\n',
+        ("-m", "slow", "tests/test_overlap.py::test_each_fresh_batch_carries_the_version_and_mu_of_the_policy_that_drew_"
+                       "it[2]")),
 }
 
 

@@ -257,6 +257,9 @@ class RunArgs:
     """in [1, 1024]: ranks that share one vLLM engine (tensor parallel), for models too large for one GPU's engine"""
     overlap: bool = False
     """asynchronous ReMix: a sampler process (a GPU of its own) draws step k+1's batch with pi_k while step k trains"""
+    overlap_gpus: int = 1
+    """in [1, 1024]: --overlap's sampler's GPUs, after the trainers' on the first node (on CPU: its processes), its
+    engine's tensor parallelism"""
     overlap_after_reincarnation: bool = False
     """--overlap after T too (the clip corrects the one step); without it the sampler drains at T, then synchronous"""
     offload: bool = False
@@ -415,8 +418,9 @@ def check_args(args, world: int):
               (world % args.vllm_tp == 0, f"--vllm-tp {args.vllm_tp} must divide the {world} processes"),
               (not args.overlap or args.sampler == "vllm", "--overlap needs --sampler vllm (the sampler process's "
                "engine)"),
-              (not args.overlap or world == 1, "--overlap runs the sampler beside one trainer process: under torchrun "
-               "it is not built yet; run one process, or without --overlap"),
+              (not args.overlap or args.vllm_tp == 1, "--vllm-tp is the trainers' engines': under --overlap the engine "
+               "is the sampler's, its tensor parallelism --overlap-gpus"),
+              (args.overlap or args.overlap_gpus == 1, "--overlap-gpus sets --overlap's sampler: add --overlap"),
               (args.sampler_is_cap is None or args.sampler == "vllm",
                "--sampler-is-cap needs --sampler vllm (the sampler's log-probs come from vLLM)"),
               (not args.track or importlib.util.find_spec("wandb") is not None,

@@ -11,6 +11,7 @@ import hashlib
 import io
 import logging
 import os
+import socket
 import traceback
 import types
 import warnings
@@ -216,6 +217,8 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
              seed: int, tp: int = 1, batch_size: int = 64, label: str | None = None) -> list[list[tuple]]:
     """[[(text, tokens, finish_reason), ...] n per prompt] on every rank, the prompts split over the engines (vLLM's,
     awake, or a transformers model), seeded by their index so any world draws alike; label: rank 0's progress bar."""
+    overlap = getattr(sampler, "vllm_generate", None)  # --overlap's sampler: the ranks share its one engine
+    tp = dist.world() if overlap else tp
     share = -(-len(prompts) // (dist.world() // tp))
     first = dist.rank() // tp * share
     mine = list(range(first, min(first + share, len(prompts))))
@@ -226,7 +229,7 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
             raw = hf_generate(sampler, tokenizer, batch, n, temperature, top_p, max_tokens, batch_size, seeds,
                               on_batch=lambda done: bar.update(done * n))
     else:  # one call with every prompt; vLLM's own bar is ours
-        draw = getattr(sampler, "vllm_generate", None) or functools.partial(vllm_generate, sampler)  # --overlap's
+        draw = overlap or functools.partial(vllm_generate, sampler)
         raw = draw(batch, n, seeds, temperature, top_p, max_tokens, logprobs=False,
                    use_tqdm=console.engine_progress(label, len(batch) * n)) if batch else []
     texts = [[(tokenizer.decode(ids, skip_special_tokens=True), len(ids), finish) for ids, finish, _ in group]
@@ -236,26 +239,40 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
 
 # --overlap's sampler process (machinery/overlap.py starts it, with these settings of the run): its engine and its copy
 SERVED_SETTINGS = ("model", "precision", "seed", "vllm_gpu_memory_utilization", "max_tokens_per_micro_batch",
-                   "dist_timeout")
+                   "dist_timeout", "overlap_gpus")
 
-def sampler_env(args) -> dict:
-    """The sampler process's devices: the GPU after the trainer's (one process has GPU 0: a machine with one GPU is
-    refused, the sampler would share it), or on CPU half the cores, the trainer keeping the other half."""
+def sampler_envs(args) -> list[dict]:
+    """Each sampler process's devices and process group, on rank 0 (none elsewhere: rank 0 starts and feeds the
+    sampler): --overlap-gpus GPUs after the first node's trainers' (one machine with no GPU to spare is refused: the
+    two would share one), or on CPU half the cores, the trainer keeping the other half; its own rendezvous on this
+    machine (the trainers' torchrun variables replaced)."""
+    gpus, local = args.overlap_gpus, dist.local_world()
+    if dist.rank() != 0:
+        return []
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
-        gpus = [g for g in visible.split(",") if g.strip()]
-        if len(gpus) < 2:
-            console.fail("--overlap needs a GPU for the sampler beside the trainer's, and this machine shows one: the "
-                         "two would share it, each waiting for the other; run without --overlap")
-        return {"CUDA_VISIBLE_DEVICES": gpus[1]}
-    cores = len(os.sched_getaffinity(0))
-    _set_threads(max(1, cores - cores // 2))
-    return {"OMP_NUM_THREADS": str(max(1, cores // 2))}
+        spare = [g for g in visible.split(",") if g.strip()][local:]
+        if len(spare) < gpus:
+            console.fail(f"--overlap needs {gpus} GPU(s) for the sampler beside the trainers' {local}, and this "
+                         f"machine shows {local + len(spare)}: the two would share one, each waiting for the other; "
+                         f"lower --overlap-gpus or the processes, or run without --overlap")
+        devices = {"CUDA_VISIBLE_DEVICES": ",".join(spare[:gpus])}
+    else:
+        cores = len(os.sched_getaffinity(0))
+        _set_threads(max(1, cores - cores // 2))
+        devices = {"OMP_NUM_THREADS": str(max(1, cores // 2 // gpus))}
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    return [{**devices, "RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": str(gpus), "LOCAL_WORLD_SIZE": str(gpus),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "False"}  # not torchrun's
+            for i in range(gpus)]
 
 def serve(settings: dict, max_model_len: int) -> dict:
-    """In the sampler process: its process group of one, its engine, and its copy of the policy in the compute dtype
-    (the trainer's code computes mu on it, in eval mode as the trainer does: no dropout)."""
-    args = types.SimpleNamespace(**settings, vllm_sleep=False, vllm_tp=1)
+    """In a sampler process: its process group (one, or --overlap-gpus sharing one engine), its engine, and its copy
+    of the policy in the compute dtype (the trainer's code computes mu on it, in eval mode as the trainer does: no
+    dropout)."""
+    args = types.SimpleNamespace(**settings, vllm_sleep=False, vllm_tp=settings["overlap_gpus"])
     dist.init(args.dist_timeout)
     llm = start(args, max_model_len)
     copy = pretrained(args.model, compute_dtype(args.precision)).to(dist.device()).eval()
@@ -271,16 +288,23 @@ def packed(value) -> bytes:
 def unpacked(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)
 
+def shared(data: bytes | None):
+    """What rank 0 received packed from the sampler (or None), unpacked on every rank: one broadcast of the bytes."""
+    data = dist.broadcast(data)
+    return None if data is None else unpacked(data)
+
 def packed_weights(policy, precision: str) -> bytes:
-    """The policy's full weights in the compute dtype, packed."""
-    return packed({name: tensor.to(compute_dtype(precision)) for name, tensor in dist.full_tensors(policy)})
+    """The policy's full weights in the compute dtype, packed on rank 0 (every rank joins the gathers)."""
+    named = {name: tensor.to(compute_dtype(precision)) for name, tensor in dist.full_tensors(policy)
+             if dist.rank() == 0}
+    return packed(named) if dist.rank() == 0 else b""
 
 @torch.no_grad()
 def serve_draw(served: dict, weights: bytes, prompts: list[list[int]], n: int, seeds: list[int], sampling: tuple,
                with_mu: bool) -> bytes:
-    """In the sampler process: the weights into the engine and the copy, then vllm_generate's groups, each response
+    """In a sampler process: the weights into the engine and the copy, then vllm_generate's groups, each response
     with its mu [L] last: served["logp"] on the copy, of the tokens the trainer stores (an empty response: the pad);
-    packed."""
+    packed (the first process's answer is the sampler's)."""
     named = unpacked(weights)
     push_tensors(served["llm"], named.items())
     served["copy"].load_state_dict(named)
@@ -289,7 +313,8 @@ def serve_draw(served: dict, weights: bytes, prompts: list[list[int]], n: int, s
         return packed(groups)
     samples = [{"prompt_ids": prompt, "response_ids": ids or [served["pad"]]}
                for prompt, group in zip(prompts, groups) for ids, _, _ in group]
-    logp = served["logp"]
-    mu = iter(per_token(lambda model, batch: logp(model, batch, sampling[0])[0], served["copy"], samples,
-                        served["budget"]))
+    share, logp = -(-len(samples) // dist.world()), served["logp"]  # a tensor-parallel sampler's processes split mu
+    mine = per_token(lambda model, batch: logp(model, batch, sampling[0])[0], served["copy"],
+                     samples[dist.rank() * share :][:share], served["budget"])
+    mu = iter([tensor for part in dist.all_gather(mine) for tensor in part])
     return packed([[(*response, next(mu)) for response in group] for group in groups])

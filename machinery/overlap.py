@@ -1,10 +1,12 @@
 """--overlap's sampler: a process of its own drawing step k+1's batch with pi_k while the trainer trains step k.
 
 The process is a grader.Worker (a fresh interpreter, ended by the kernel with the trainer) holding a vLLM engine and a
-copy of the policy in the compute dtype. The trainer's weights reach it with each batch it is asked to draw, so at a
-batch boundary only; it returns each response with mu, the method's log pi on the copy of the policy that drew it
-(Decision 22: the trainer's code on the sampler's weights, what a synchronous step stores). At most one batch is in
-flight: a save, an evaluation or the next draw waits for it, and a checkpoint holds it (its policy is gone).
+copy of the policy in the compute dtype; with --overlap-gpus N, N such processes share one tensor-parallel engine and
+the first holds the copy. The trainer's weights reach it with each batch it is asked to draw, so at a batch boundary
+only; it returns each response with mu, the method's log pi on the copy of the policy that drew it (Decision 22: the
+trainer's code on the sampler's weights, what a synchronous step stores). At most one batch is in flight: a save, an
+evaluation or the next draw waits for it, and a checkpoint holds it (its policy is gone). Under torchrun rank 0 starts
+and feeds the sampler, and every rank gets the whole batch drawn and takes its share.
 """
 
 import contextlib
@@ -35,10 +37,9 @@ class Sampler:
         self.args, self.policy, self.n, self.sampling = args, policy, request[0], request[1:]
         self.in_flight, self.ready, self.kept = None, None, contextlib.ExitStack()
         self.kept.enter_context(engines.kept_threads())  # on a CPU the trainer's share of the cores, until close()
-        self.worker = grader.Worker(engines.sampler_env(args))
+        self.workers = [grader.Worker(env) for env in engines.sampler_envs(args)]  # none on ranks but 0
         settings = {name: getattr(args, name) for name in engines.SERVED_SETTINGS}
-        self.worker.tasks.send((grader.reference(_start), (settings, max_model_len, grader.reference(logp),
-                                                           tokenizer.pad_token_id)))
+        self.send(_start, settings, max_model_len, grader.reference(logp), tokenizer.pad_token_id)
         self.answer("starting its engine")
 
     def draw(self, step: int, prompts: list, version: int):
@@ -46,8 +47,8 @@ class Sampler:
         if self.in_flight is not None or self.ready is not None:
             raise RuntimeError(f"--overlap: step {(self.in_flight or self.ready[0])[0]}'s batch is not taken yet")
         seeds = [engines.request_seed(self.args.seed, step, i, self.n) for i in range(len(prompts))]
-        self.send(engines.packed_weights(self.policy, self.args.precision), [p.ids for p in prompts], self.n, seeds,
-                  self.sampling, True)
+        self.send(_draw, engines.packed_weights(self.policy, self.args.precision), [p.ids for p in prompts], self.n,
+                  seeds, self.sampling, True)
         self.in_flight = (step, prompts, version)
 
     def holds(self, step: int) -> bool:
@@ -66,9 +67,9 @@ class Sampler:
         return prompts, (version, groups)
 
     def wait(self):
-        """The batch in flight, drawn: kept as ready (a save or an evaluation waits for it)."""
+        """The batch in flight, drawn, on every rank: kept as ready (a save or an evaluation waits for it)."""
         if self.in_flight is not None:
-            drawn = engines.unpacked(self.answer(f"drawing step {self.in_flight[0]}'s batch"))
+            drawn = self.answer(f"drawing step {self.in_flight[0]}'s batch")
             self.in_flight, self.ready = None, (self.in_flight, drawn)
 
     def state(self) -> dict | None:
@@ -86,40 +87,46 @@ class Sampler:
     def vllm_generate(self, prompts: list[list[int]], n: int, seeds: list[int], temperature: float, top_p: float,
                       max_tokens: int, logprobs: bool = False, use_tqdm=False):
         """engines.vllm_generate's answer from the sampler's engine with the policy's weights now (an evaluation),
-        after the batch in flight."""
+        after the batch in flight (engines.generate hands every rank all the prompts, as ranks of one engine)."""
         self.wait()
-        self.send(engines.packed_weights(self.policy, self.args.precision), prompts, n, seeds,
+        self.send(_draw, engines.packed_weights(self.policy, self.args.precision), prompts, n, seeds,
                   (temperature, top_p, max_tokens), False)
-        return engines.unpacked(self.answer("generating an evaluation's responses"))
+        return self.answer("generating an evaluation's responses")
 
-    def send(self, *args):
-        try:
-            self.worker.tasks.send((grader.reference(_draw), args))
-        except OSError:  # its pipe is closed: it died, and answer() says how
-            pass
+    def send(self, task, *args):
+        for worker in self.workers:
+            try:
+                worker.tasks.send((grader.reference(task), args))
+            except OSError:  # its pipe is closed: it died, and answer() says how
+                pass
 
     def answer(self, what: str):
-        """The sampler's answer to its one task, within --dist-timeout; a failure, a death or a hang: one line."""
-        deadline = time.monotonic() + self.args.dist_timeout * 60
-        while True:
-            if not connection.wait([self.worker.answers], max(deadline - time.monotonic(), 0.0)):
+        """The sampler's answer to its one task (its first process's), on every rank, within --dist-timeout; a
+        failure, a death or a hang of any of its processes: one line, from rank 0."""
+        deadline, pending, answers = time.monotonic() + self.args.dist_timeout * 60, list(self.workers), {}
+        while pending:
+            ready = connection.wait([w.answers for w in pending], max(deadline - time.monotonic(), 0.0))
+            if not ready:
                 self.close()
                 self.stop(f"did not answer in --dist-timeout {self.args.dist_timeout:g} minutes while {what}")
-            try:
-                message = self.worker.answers.recv()
-            except EOFError:
-                code = self.worker.proc.wait()
-                self.stop(f"died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) while {what}")
-            if message == "go":
-                continue
-            if message[0] == "error":  # a refusal it printed (SystemExit) stands above this line
-                self.close()
-                self.stop(f"failed while {what}: {(message[1].strip().splitlines() or [''])[0][:300]}")
-            return message[1]
+            for worker in [w for w in pending if w.answers in ready]:
+                try:
+                    message = worker.answers.recv()
+                except EOFError:
+                    code = worker.proc.wait()
+                    self.close()
+                    self.stop(f"died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) while {what}")
+                if message != "go" and message[0] == "error":  # a refusal it printed (SystemExit) stands above
+                    self.close()
+                    self.stop(f"failed while {what}: {(message[1].strip().splitlines() or [''])[0][:300]}")
+                if message != "go":
+                    answers[worker], pending = message[1], [w for w in pending if w is not worker]
+        return engines.shared(answers.get(self.workers[0]) if self.workers else None)
 
     def stop(self, happened: str):
         console.fail(f"the sampler process (--overlap) {happened}; {console.stopped_at()}")
 
     def close(self):
-        self.worker.kill()
+        for worker in self.workers:
+            worker.kill()
         self.kept.close()

@@ -31,9 +31,13 @@ def overlapped_args(model, data, out, **overrides):
 
 
 @pytest.mark.slow
-def test_each_fresh_batch_carries_the_version_and_mu_of_the_policy_that_drew_it(tiny_model, train_file, tmp_path):
+@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=pytest.mark.long)])
+def test_each_fresh_batch_carries_the_version_and_mu_of_the_policy_that_drew_it(gpus, tiny_model, train_file,
+                                                                                 tmp_path):
     """Steps 1-4, T = 3: step 1 drawn by pi_1 (nothing ran ahead), steps 2 and 3 by pi_1 and pi_2 while steps 1 and
-    2 trained, step 4 by pi_4 (drained at T). mu is the drawing policy's log pi, pi_k the trainer's at the step."""
+    2 trained, step 4 by pi_4 (drained at T). mu is the drawing policy's log pi, pi_k the trainer's at the step; the
+    engine's own log-probs agree with mu, so every shard of a tensor-parallel sampler (--overlap-gpus 2: two
+    processes) drew with that policy's weights."""
     policies, seen = {}, []  # policies[k]: a plain copy of pi_k, the policy at the start of step k
 
     def on_step(step, record, policy, tokenizer, batch):
@@ -44,6 +48,7 @@ def test_each_fresh_batch_carries_the_version_and_mu_of_the_policy_that_drew_it(
         logp = remix.logp_of(args)
         mu = models.per_token(logp, policies[version], fresh, 1 << 20)
         prox = models.per_token(logp, policies[step], fresh, 1 << 20)
+        assert record["mismatch/abs_log_ratio_mean"] < 1e-5  # fp32: 1.6e-7; a shard left with older weights: 1e-2
         seen.append((step, version, record["batch/staleness"],
                      max((a - s["behaviour_logp"]).abs().max().item() for a, s in zip(mu, fresh)),
                      max((a - s["prox_logp"]).abs().max().item() for a, s in zip(prox, fresh)),
@@ -51,7 +56,7 @@ def test_each_fresh_batch_carries_the_version_and_mu_of_the_policy_that_drew_it(
         policies[step + 1] = plain_copy(policy)
 
     args = overlapped_args(tiny_model, train_file, tmp_path / "run", steps=4, reincarnate_step=3,
-                           kl_convex_start=0, precision="fp32")
+                           kl_convex_start=0, precision="fp32", overlap_gpus=gpus)
     from transformers import AutoModelForCausalLM
     policies[1] = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, trust_remote_code=False).eval()
     remix.train(args, on_step=on_step)
@@ -69,9 +74,9 @@ def cli(model, data, out) -> list[str]:
             "--eval-every", "0", "--reincarnate-step", "5", "--kl-convex-start", "0"]
 
 
-def sampler_of(proc) -> int:
-    """The pid of a run's sampler process: its child that has vLLM loaded (grader workers do not)."""
-    for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+def sampler_of(pid: int) -> int:
+    """The pid of a trainer process's sampler process: its child that has vLLM loaded (grader workers do not)."""
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
         if "vllm" in Path(f"/proc/{child}/maps").read_text():
             return int(child)
     raise AssertionError("the run has no sampler process")
@@ -99,7 +104,7 @@ def test_a_kill_of_the_sampler_or_the_trainer_loses_nothing(tiny_model, train_fi
     proc = subprocess.Popen(cli(tiny_model, train_file, out), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     into_step_after(proc, out, 2)
-    os.kill(sampler_of(proc), signal.SIGKILL)
+    os.kill(sampler_of(proc.pid), signal.SIGKILL)
     err = [line for line in proc.communicate(timeout=300)[1].strip().splitlines()
            if "NUMA" not in line]  # on CPU torch prints one NUMA line when vLLM binds memory
     assert proc.returncode == 2 and len(err) == 1, err
@@ -109,7 +114,7 @@ def test_a_kill_of_the_sampler_or_the_trainer_loses_nothing(tiny_model, train_fi
     proc = subprocess.Popen([sys.executable, str(ROOT / "remix.py"), "--resume", str(out)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     into_step_after(proc, out, 4)
-    sampler = sampler_of(proc)
+    sampler = sampler_of(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 30
@@ -147,30 +152,94 @@ def test_a_sampler_that_never_runs_ahead_is_the_synchronous_run(tiny_model, trai
         assert comparable(sync) == overlapped
 
 
-@pytest.mark.parametrize("overrides, world, line", [
-    (dict(sampler="hf"), 1, "--overlap needs --sampler vllm (the sampler process's engine)"),
-    ({}, 2, "--overlap runs the sampler beside one trainer process: under torchrun it is not built yet; run one "
-            "process, or without --overlap")])
-def test_an_overlap_that_cannot_run_is_one_line(overrides, world, line, tiny_model, train_file, tmp_path, capsys):
+@pytest.mark.long
+@pytest.mark.slow
+def test_under_torchrun_a_sampler_that_never_runs_ahead_is_the_synchronous_run(tiny_model, train_file, tmp_path):
+    """Two trainer processes, T = 0: rank 0 feeds the sampler process every rank's prompts and every rank trains on its
+    own share of the batch, evaluations included; the run is the synchronous one, where each rank's engine drew its
+    share and mu came from the sharded policy (same tokens; the floats to comparable()'s tolerance, the sharded
+    forward and the copy's summing in another order)."""
+    from tests.test_runs import comparable, torchrun
+
+    runs = {}
+    for overlap in ([], ["--overlap"]):
+        out = tmp_path / f"run{len(overlap)}"
+        done = torchrun(*cli(tiny_model, train_file, out)[1:], "--steps", "3", "--reincarnate-step", "0",
+                        "--eval-every", "2", "--eval-limit", "3", "--eval-benchmarks", "math500", "amc23", *overlap)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[len(overlap)] = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(out)]
+    assert [r["step"] for r in runs[1]] == [0, 1, 2, 3] and runs[1][1]["batch/fresh"] == 10
+    assert [comparable(r) for r in runs[0]] == runs[1]
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_under_torchrun_a_killed_rank_loses_nothing(tiny_model, train_file, tmp_path):
+    """Two trainer processes and the sampler: a kill -9 of rank 1 in step 3 ends the job and the sampler (rank 0's
+    child) with it; resumed, the run ends as the uninterrupted one, drawn ahead from step 2 on."""
+    from tests.test_runs import comparable, torchrun, worker_pids
+
+    straight = torchrun(*cli(tiny_model, train_file, tmp_path / "straight")[1:])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(29500 + os.getpid() % 1000), *cli(tiny_model, train_file, out)[1:]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    into_step_after(proc, out, 2)
+    ranks = worker_pids(proc.pid)
+    sampler = sampler_of(ranks[0])
+    os.kill(ranks[1], signal.SIGKILL)
+    proc.wait(timeout=120)
+    assert proc.returncode != 0 and not (out / "checkpoint-6").exists()
+    deadline = time.time() + 30
+    while os.path.exists(f"/proc/{sampler}") and "zombie" not in Path(f"/proc/{sampler}/status").read_text():
+        assert time.time() < deadline, "the sampler outlived its trainers"
+        time.sleep(0.1)
+    done = torchrun(str(ROOT / "remix.py"), "--resume", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed, expected = read_metrics(out), read_metrics(tmp_path / "straight")
+    assert [r["batch/staleness"] for r in resumed] == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]  # drained at T = 5
+    assert [comparable(r) for r in expected] == [{k: v for k, v in r.items() if not k.startswith("perf/")}
+                                                 for r in resumed]
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (dict(sampler="hf"), "--overlap needs --sampler vllm (the sampler process's engine)"),
+    (dict(vllm_tp=2), "--vllm-tp is the trainers' engines': under --overlap the engine is the sampler's, its tensor "
+                      "parallelism --overlap-gpus"),
+    (dict(overlap=False, overlap_gpus=2), "--overlap-gpus sets --overlap's sampler: add --overlap")])
+def test_an_overlap_that_cannot_run_is_one_line(overrides, line, tiny_model, train_file, tmp_path, capsys):
     args = remix.finalize_args(overlapped_args(tiny_model, train_file, tmp_path / "run", **overrides))
     with pytest.raises(SystemExit) as stopped:
-        console.check_args(args, world)
+        console.check_args(args, 2)
     assert stopped.value.code == 2 and capsys.readouterr().err == f"remix: error: {line}\n"
 
 
-def test_the_sampler_takes_the_gpu_after_the_trainers_and_never_the_only_one(monkeypatch, capsys):
-    """GPU only (its branch run here with torch.cuda's answers set): one process trains on GPU 0, the sampler gets the
-    next visible GPU; a machine showing one GPU is refused in one line, the two would share it."""
+def test_the_sampler_takes_the_gpus_after_the_trainers_and_never_one_of_theirs(monkeypatch, capsys):
+    """GPU only (its branch run here with torch.cuda's answers set): the trainers have the node's first GPUs, the
+    sampler's --overlap-gpus processes the next ones, each its own rank of a rendezvous of their own on this machine;
+    a machine with no GPU to spare is refused in one line, the two would share one."""
+    from types import SimpleNamespace
+
     from machinery import engines
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert engines.sampler_env(None) == {"CUDA_VISIBLE_DEVICES": "1"}
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    assert engines.sampler_env(None) == {"CUDA_VISIBLE_DEVICES": "5"}
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setenv("RANK", "0")  # a trainer's torchrun variables, which the sampler's must replace
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    envs = engines.sampler_envs(SimpleNamespace(overlap_gpus=1))
+    assert len(envs) == 1 and envs[0]["CUDA_VISIBLE_DEVICES"] == "1"  # one trainer process on GPU 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(engines.dist, "world", lambda: 2)
+    envs = engines.sampler_envs(SimpleNamespace(overlap_gpus=2))
+    assert [(e["CUDA_VISIBLE_DEVICES"], e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["MASTER_ADDR"]) for e in envs] \
+        == [("2,3", "0", "0", "2", "127.0.0.1"), ("2,3", "1", "1", "2", "127.0.0.1")]
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] != "29500"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6")
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in engines.sampler_envs(SimpleNamespace(overlap_gpus=1))] == ["6"]
     with pytest.raises(SystemExit):
-        engines.sampler_env(None)
-    assert capsys.readouterr().err.startswith("remix: error: --overlap needs a GPU for the sampler beside the "
-                                              "trainer's, and this machine shows one")
+        engines.sampler_envs(SimpleNamespace(overlap_gpus=2))
+    assert capsys.readouterr().err.startswith("remix: error: --overlap needs 2 GPU(s) for the sampler beside the "
+                                              "trainers' 2, and this machine shows 3: the two would share one")
