@@ -35,6 +35,7 @@ def responses(path: Path) -> list[tuple]:
     return sorted((r["benchmark"], str(r["id"]), r["response"], r["correct"]) for r in rows)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_evaluation_during_training_is_eval_pys_on_the_checkpoint(tiny_model, train_file, tmp_path, capsys):
     """vLLM, greedy: the responses and Pass@1 logged at the last step are those eval.py gives the saved checkpoint,

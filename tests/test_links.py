@@ -390,6 +390,7 @@ def resume_job(first_step):
     return fresh, lambda out: run_remix("--resume", str(out), "--steps", "2")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_links_at_the_paths_a_resume_writes_one_level_down(first_step, resumed, tmp_path):
     """The folder's own entries (the lock, the logs, tb, eval, checkpoint-2): each refused or replaced. The
@@ -482,6 +483,7 @@ def test_links_at_every_path_an_evaluation_writes(tiny_model, evaluated, tmp_pat
     assert outcome["settings.json"] == outcome["samples.jsonl"] == "refused", outcome  # read back: not followed
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_links_at_every_path_a_regrade_writes(evaluated, tmp_path):
     samples, regraded = tmp_path / "samples.jsonl", tmp_path / "regraded"

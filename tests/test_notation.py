@@ -261,6 +261,7 @@ def _solution_grading():
     return module
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_benchmark_solutions():
     grading = _solution_grading()

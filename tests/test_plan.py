@@ -275,7 +275,7 @@ def measure_step(model: str, algo: str, tokens: int, checkpointing: bool) -> dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [pytest.param(False, marks=pytest.mark.long), True])
 def test_the_plan_bounds_the_measured_host_memory_of_a_tiny_update(tiny_model, checkpointing):
     """Two PPO update passes over a 4,096-token micro-batch (two padded rows), in a process of their own: the peak
     resident memory they add is at most the plan's figure and at least 70% of it (docs/memory.md)."""

@@ -819,7 +819,8 @@ def remix_cli(model, data, out, *extra) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, sampler", [("grpo", "hf"), pytest.param("ppo", "hf", marks=pytest.mark.long),
+@pytest.mark.parametrize("algo, sampler", [pytest.param("grpo", "hf", marks=pytest.mark.long),
+                                           pytest.param("ppo", "hf", marks=pytest.mark.long),
                                            pytest.param("grpo", "vllm", marks=pytest.mark.long), ("ppo", "vllm")])
 def test_torchrun_two_processes_end_to_end(algo, sampler, tiny_model, train_file, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -1084,6 +1085,7 @@ def test_sampler_correction_weights_are_stored_replayed_and_reach_the_loss(tiny_
 # ----------------------------------------------------------------------------------------------
 # The benchmarks' scripts stay runnable: gpu_check's CPU dry run, the mutation check's planted bugs
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.long
 @pytest.mark.slow
 def test_gpu_check_dry_runs_on_the_cpu(tmp_path):
     """benchmarks/gpu_check.py is what a session lent a GPU runs first, on a budget of minutes: its CPU dry run
@@ -1140,6 +1142,7 @@ check.main(sys.argv[2:])
 """
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_part_of_the_gpu_check_that_fails_or_hangs_leaves_the_others_and_no_folder(tmp_path):
     """A part that calls fail() (SystemExit) and one that runs past its limit are recorded, the other parts still
@@ -1180,6 +1183,7 @@ check.main(sys.argv[2:])
 """
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_gpu_check_flags_a_peak_above_the_plan_plans_no_stubbed_checkpoint_and_ends_143_on_sigterm(tmp_path):
     """One real GRPO part (the dry run's, one step) with the free space patched to 1 byte and every peak read 10 TB:
@@ -1281,6 +1285,7 @@ def test_a_torch_in_the_checked_range_runs_silently_and_a_newer_one_is_warned_ab
     assert len(lines) == 1 and lines[0].startswith("eval: warning: torch 2.15.0.dev20270301+cu130 is newer than 2.14")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_device_wheel_folder_is_complete_and_small(tmp_path):
     """benchmarks/device_wheels.py fetches what requirements.txt needs beyond the GPU machine's packages, for its

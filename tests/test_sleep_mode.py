@@ -154,6 +154,7 @@ def test_ppo_with_sleep_mode_matches_ppo_without(tiny_model, train_file, tmp_pat
     same_run(runs["sleep"], runs["awake"])
 
 
+@pytest.mark.long
 def test_the_command_line_and_two_processes_under_sleep_mode(tiny_model, train_file, tmp_path):
     """remix.py and eval.py as a user runs them, with GPU sleep mode: one process, then torchrun with two (each rank
     its own engine), evaluations included; then eval.py of the checkpoint. Each ends with exit 0 and no traceback."""

@@ -120,6 +120,7 @@ def test_method_runs_evaluate_every_6_steps_by_default_in_folders_of_their_own(c
         assert exit_.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_users_fork_trains_beside_remix_py_at_the_same_seeds_and_both_curves_are_drawn(tmp_path):
     """toy.py --method in small (a base of 20 supervised steps, 40 held-out problems, 2 steps of ReMix-GRPO, one
@@ -335,6 +336,7 @@ def test_results_json_names_the_machine_and_a_replot_invents_none(tmp_path, monk
     assert again["cpu_capability"] == "AVX512" and "machine" not in again
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_broken_method_file_is_one_line_naming_its_line_before_anything_is_built(tmp_path):
     """toy.py --method imports the file first, in a child process, as its jobs will: a syntax error, an exception at
@@ -377,6 +379,7 @@ def test_a_broken_method_file_is_one_line_naming_its_line_before_anything_is_bui
             assert seconds < 60 and not (tmp_path / f"cache-{name}").exists() and not (tmp_path / f"out-{name}").exists()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_fork_with_a_flag_of_its_own_is_identical_without_it_and_differs_by_a_verdict_with_it(tmp_path, capsys):
     """toy.py --method in small (a base of 20 supervised steps, 40 held-out problems, 2 steps of ReMix-GRPO, one
