@@ -247,8 +247,6 @@ def sampler_envs(args) -> list[dict]:
     two would share one), or on CPU half the cores, the trainer keeping the other half; its own rendezvous on this
     machine (the trainers' torchrun variables replaced)."""
     gpus, local = args.overlap_gpus, dist.local_world()
-    if dist.rank() != 0:
-        return []
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(torch.cuda.device_count()))))
         spare = [g for g in visible.split(",") if g.strip()][local:]
@@ -257,7 +255,9 @@ def sampler_envs(args) -> list[dict]:
                          f"machine shows {local + len(spare)}: the two would share one, each waiting for the other; "
                          f"lower --overlap-gpus or the processes, or run without --overlap")
         devices = {"CUDA_VISIBLE_DEVICES": ",".join(spare[:gpus])}
-    else:
+    if dist.rank() != 0:  # every rank checked the GPUs above: a refusal is every rank's
+        return []
+    if not torch.cuda.is_available():
         cores = len(os.sched_getaffinity(0))
         _set_threads(max(1, cores - cores // 2))
         devices = {"OMP_NUM_THREADS": str(max(1, cores // 2 // gpus))}
@@ -288,14 +288,16 @@ def packed(value) -> bytes:
 def unpacked(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=True)
 
-def shared(data: bytes | None):
-    """What rank 0 received packed from the sampler (or None), unpacked on every rank: one broadcast of the bytes."""
-    data = dist.broadcast(data)
-    return None if data is None else unpacked(data)
+def shared(answer):
+    """Rank 0's answer from the sampler on every rank, by one broadcast: packed bytes unpacked, anything else (None, a
+    failure's line) as it is."""
+    answer = dist.broadcast(answer)
+    return unpacked(answer) if isinstance(answer, bytes) else answer
 
 def packed_weights(policy, precision: str) -> bytes:
-    """The policy's full weights in the compute dtype, packed on rank 0 (every rank joins the gathers)."""
-    named = {name: tensor.to(compute_dtype(precision)) for name, tensor in dist.full_tensors(policy)
+    """The policy's full weights in the compute dtype, packed on rank 0 from host memory (every rank joins the gathers;
+    each sampler process loads them onto its own device)."""
+    named = {name: tensor.to("cpu", compute_dtype(precision)) for name, tensor in dist.full_tensors(policy)
              if dist.rank() == 0}
     return packed(named) if dist.rank() == 0 else b""
 
@@ -304,17 +306,17 @@ def serve_draw(served: dict, weights: bytes, prompts: list[list[int]], n: int, s
                with_mu: bool) -> bytes:
     """In a sampler process: the weights into the engine and the copy, then vllm_generate's groups, each response
     with its mu [L] last: served["logp"] on the copy, of the tokens the trainer stores (an empty response: the pad);
-    packed (the first process's answer is the sampler's)."""
+    packed."""
     named = unpacked(weights)
     push_tensors(served["llm"], named.items())
     served["copy"].load_state_dict(named)
     groups = vllm_generate(served["llm"], prompts, n, seeds, *sampling, logprobs=with_mu)
-    if not with_mu:
-        return packed(groups)
-    samples = [{"prompt_ids": prompt, "response_ids": ids or [served["pad"]]}
-               for prompt, group in zip(prompts, groups) for ids, _, _ in group]
-    share, logp = -(-len(samples) // dist.world()), served["logp"]  # a tensor-parallel sampler's processes split mu
-    mine = per_token(lambda model, batch: logp(model, batch, sampling[0])[0], served["copy"],
-                     samples[dist.rank() * share :][:share], served["budget"])
-    mu = iter([tensor for part in dist.all_gather(mine) for tensor in part])
-    return packed([[(*response, next(mu)) for response in group] for group in groups])
+    if with_mu:  # a tensor-parallel sampler's processes split the responses
+        samples = [{"prompt_ids": prompt, "response_ids": ids or [served["pad"]]}
+                   for prompt, group in zip(prompts, groups) for ids, _, _ in group]
+        share, logp = -(-len(samples) // dist.world()), served["logp"]
+        mine = per_token(lambda model, batch: logp(model, batch, sampling[0])[0], served["copy"],
+                         samples[dist.rank() * share :][:share], served["budget"])
+        mu = iter([tensor for part in dist.all_gather(mine) for tensor in part])
+        groups = [[(*response, next(mu)) for response in group] for group in groups]
+    return packed(groups) if dist.rank() == 0 else None  # the first process answers for the sampler

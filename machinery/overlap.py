@@ -1,12 +1,12 @@
 """--overlap's sampler: a process of its own drawing step k+1's batch with pi_k while the trainer trains step k.
 
 The process is a grader.Worker (a fresh interpreter, ended by the kernel with the trainer) holding a vLLM engine and a
-copy of the policy in the compute dtype; with --overlap-gpus N, N such processes share one tensor-parallel engine and
-the first holds the copy. The trainer's weights reach it with each batch it is asked to draw, so at a batch boundary
-only; it returns each response with mu, the method's log pi on the copy of the policy that drew it (Decision 22: the
-trainer's code on the sampler's weights, what a synchronous step stores). At most one batch is in flight: a save, an
-evaluation or the next draw waits for it, and a checkpoint holds it (its policy is gone). Under torchrun rank 0 starts
-and feeds the sampler, and every rank gets the whole batch drawn and takes its share.
+copy of the policy in the compute dtype; with --overlap-gpus N, N such processes share one tensor-parallel engine,
+each with a copy, and split the work of mu. The trainer's weights reach it with each batch it is asked to draw, so at
+a batch boundary only; it returns each response with mu, the method's log pi on the copy of the policy that drew it
+(Decision 22: the trainer's code on the sampler's weights, what a synchronous step stores). At most one batch is in
+flight: a save, an evaluation or the next draw waits for it, and a checkpoint holds it (its policy is gone). Under
+torchrun rank 0 starts and feeds the sampler, and every rank gets the whole batch drawn and takes its share.
 """
 
 import contextlib
@@ -103,25 +103,28 @@ class Sampler:
     def answer(self, what: str):
         """The sampler's answer to its one task (its first process's), on every rank, within --dist-timeout; a
         failure, a death or a hang of any of its processes: one line, from rank 0."""
-        deadline, pending, answers = time.monotonic() + self.args.dist_timeout * 60, list(self.workers), {}
-        while pending:
+        deadline, pending = time.monotonic() + self.args.dist_timeout * 60, list(self.workers)
+        answers, failure = {}, None
+        while pending and failure is None:
             ready = connection.wait([w.answers for w in pending], max(deadline - time.monotonic(), 0.0))
             if not ready:
-                self.close()
-                self.stop(f"did not answer in --dist-timeout {self.args.dist_timeout:g} minutes while {what}")
+                failure = f"did not answer in --dist-timeout {self.args.dist_timeout:g} minutes while {what}"
             for worker in [w for w in pending if w.answers in ready]:
                 try:
                     message = worker.answers.recv()
                 except EOFError:
                     code = worker.proc.wait()
-                    self.close()
-                    self.stop(f"died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) while {what}")
+                    failure = f"died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) while {what}"
+                    break
                 if message != "go" and message[0] == "error":  # a refusal it printed (SystemExit) stands above
-                    self.close()
-                    self.stop(f"failed while {what}: {(message[1].strip().splitlines() or [''])[0][:300]}")
-                if message != "go":
+                    failure = f"failed while {what}: {(message[1].strip().splitlines() or [''])[0][:300]}"
+                elif message != "go":
                     answers[worker], pending = message[1], [w for w in pending if w is not worker]
-        return engines.shared(answers.get(self.workers[0]) if self.workers else None)
+        said = engines.shared(failure or answers.get(self.workers[0]) if self.workers else None)
+        if isinstance(said, str):  # every rank stops: rank 0 says the line
+            self.close()
+            self.stop(said)
+        return said
 
     def stop(self, happened: str):
         console.fail(f"the sampler process (--overlap) {happened}; {console.stopped_at()}")

@@ -174,22 +174,34 @@ def test_under_torchrun_a_sampler_that_never_runs_ahead_is_the_synchronous_run(t
 
 @pytest.mark.long
 @pytest.mark.slow
-def test_under_torchrun_a_killed_rank_loses_nothing(tiny_model, train_file, tmp_path):
-    """Two trainer processes and the sampler: a kill -9 of rank 1 in step 3 ends the job and the sampler (rank 0's
-    child) with it; resumed, the run ends as the uninterrupted one, drawn ahead from step 2 on."""
+def test_under_torchrun_a_kill_of_the_sampler_or_a_rank_loses_nothing(tiny_model, train_file, tmp_path):
+    """Two trainer processes and the sampler (rank 0's child): a kill -9 of the sampler in step 3 stops every rank with
+    one line, rank 0's, naming the checkpoint; resumed, a kill -9 of rank 1 in step 5 ends the job and the sampler with
+    it; resumed again, the run ends as the uninterrupted one, drawn ahead from step 2 on."""
     from tests.test_runs import comparable, torchrun, worker_pids
+
+    def started(*argv):
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-port", str(29500 + os.getpid() % 1000), *argv], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
     straight = torchrun(*cli(tiny_model, train_file, tmp_path / "straight")[1:])
     assert straight.returncode == 0, straight.stderr[-3000:]
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                             str(29500 + os.getpid() % 1000), *cli(tiny_model, train_file, out)[1:]],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    proc = started(*cli(tiny_model, train_file, out)[1:])
     into_step_after(proc, out, 2)
+    os.kill(sampler_of(worker_pids(proc.pid)[0]), signal.SIGKILL)
+    errors = [line for line in proc.communicate(timeout=300)[1].splitlines() if line.startswith("remix: error")]
+    assert proc.returncode != 0 and len(errors) == 1, errors  # rank 0's; rank 1 is stopped before it says its own
+    assert errors[0].startswith("remix: error: the sampler process (--overlap) died (killed by signal 9) while "), errors
+    assert errors[0].endswith(f"the last checkpoint is {out / 'checkpoint-2'}; continue with --resume {out}"), errors
+
+    proc = started(str(ROOT / "remix.py"), "--resume", str(out))
+    into_step_after(proc, out, 4)
     ranks = worker_pids(proc.pid)
     sampler = sampler_of(ranks[0])
     os.kill(ranks[1], signal.SIGKILL)
-    proc.wait(timeout=120)
+    proc.communicate(timeout=120)
     assert proc.returncode != 0 and not (out / "checkpoint-6").exists()
     deadline = time.time() + 30
     while os.path.exists(f"/proc/{sampler}") and "zombie" not in Path(f"/proc/{sampler}/status").read_text():
