@@ -157,19 +157,27 @@ def test_a_sampler_that_never_runs_ahead_is_the_synchronous_run(tiny_model, trai
 def test_under_torchrun_a_sampler_that_never_runs_ahead_is_the_synchronous_run(tiny_model, train_file, tmp_path):
     """Two trainer processes, T = 0: rank 0 feeds the sampler process every rank's prompts and every rank trains on its
     own share of the batch, evaluations included; the run is the synchronous one, where each rank's engine drew its
-    share and mu came from the sharded policy (same tokens; the floats to comparable()'s tolerance, the sharded
-    forward and the copy's summing in another order)."""
+    share and mu came from the sharded policy: each rank's prompts and responses, token for token (the tiny model's
+    near-uniform log-probs hardly tell one pairing from another), and the floats to comparable()'s tolerance (the
+    sharded forward and the copy's sum in another order; vLLM's own log-probs against mu, mismatch/*, to 1e-6)."""
     from tests.test_runs import comparable, torchrun
 
-    runs = {}
-    for overlap in ([], ["--overlap"]):
-        out = tmp_path / f"run{len(overlap)}"
-        done = torchrun(*cli(tiny_model, train_file, out)[1:], "--steps", "3", "--reincarnate-step", "0",
-                        "--eval-every", "2", "--eval-limit", "3", "--eval-benchmarks", "math500", "amc23", *overlap)
+    runs, batches = {}, {}
+    for overlap in (False, True):
+        out = tmp_path / f"run{int(overlap)}"
+        flags = [f for f in cli(tiny_model, train_file, out)[2:] if overlap or f != "--overlap"]
+        flags += ["--steps", "3", "--reincarnate-step", "0", "--eval-every", "2", "--eval-limit", "3",
+                  "--eval-benchmarks", "math500", "amc23"]
+        done = torchrun(str(ROOT / "tests" / "test_runs.py"), "batches", str(tmp_path), *flags)
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[len(overlap)] = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(out)]
-    assert [r["step"] for r in runs[1]] == [0, 1, 2, 3] and runs[1][1]["batch/fresh"] == 10
-    assert [comparable(r) for r in runs[0]] == runs[1]
+        runs[overlap] = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(out)]
+        batches[overlap] = [torch.load(tmp_path / f"batches-rank{r}.pt") for r in (0, 1)]
+    assert [r["step"] for r in runs[True]] == [0, 1, 2, 3] and runs[True][1]["batch/fresh"] == 10
+    assert batches[False] == batches[True] and batches[True][0] != batches[True][1]  # each rank its own share
+    for sync, overlapped in zip(runs[False], runs[True]):  # vLLM's own log-probs against mu: to 1e-6
+        for key in [k for k in sync if k.startswith("mismatch/")]:
+            assert overlapped.pop(key) == pytest.approx(sync.pop(key), abs=1e-6), key
+        assert comparable(sync) == overlapped
 
 
 @pytest.mark.long

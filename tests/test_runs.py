@@ -794,6 +794,21 @@ def engine_tokens_main(argv: list[str]):
     os._exit(0)
 
 
+def batches_main(argv: list[str]):
+    """torchrun --nproc-per-node 2 tests/test_runs.py batches OUT REMIX_FLAGS...: remix.train with each rank's fresh
+    samples of every step saved (OUT/batches-rankR.pt: their prompt and response token ids, in the batch's order)."""
+    steps = []
+
+    def on_step(step, record, policy, tokenizer, batch):
+        steps.append([(s["prompt_ids"], s["response_ids"]) for s in batch if not s["historical"]])
+
+    result = remix.train(runner.cli(remix.Args, argv=argv[2:]), on_step=on_step)
+    torch.save(steps, Path(argv[1]) / f"batches-rank{dist.rank()}.pt")
+    dist.barrier()
+    del result
+    os._exit(0)
+
+
 def timeout_main(argv: list[str]):
     """torchrun --nproc-per-node 2 test_remix.py timeout SECONDS: rank 1 enters a barrier SECONDS late; rank 0 reports
     how long it waited before its barrier gave up."""
@@ -1620,4 +1635,5 @@ def test_the_format_reward_fork_leaves_eval_pass_at_1_alone(tmp_path):
 
 
 if __name__ == "__main__" and len(sys.argv) > 1:
-    {"update": distributed_main, "engine-tokens": engine_tokens_main, "timeout": timeout_main}[sys.argv[1]](sys.argv[1:])
+    {"update": distributed_main, "engine-tokens": engine_tokens_main, "batches": batches_main,
+     "timeout": timeout_main}[sys.argv[1]](sys.argv[1:])
