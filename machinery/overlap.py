@@ -116,9 +116,9 @@ class Sampler:
                     code = worker.proc.wait()
                     failure = f"died ({f'killed by signal {-code}' if code < 0 else f'exit code {code}'}) while {what}"
                     break
-                if message != "go" and message[0] == "error":  # a refusal it printed (SystemExit) stands above
+                if message[0] == "error":  # a refusal it printed (SystemExit) stands above
                     failure = f"failed while {what}: {(message[1].strip().splitlines() or [''])[0][:300]}"
-                elif message != "go":
+                elif message != "go":  # "go": it has started the task
                     answers[worker], pending = message[1], [w for w in pending if w is not worker]
         said = engines.shared(failure or answers.get(self.workers[0]) if self.workers else None)
         if isinstance(said, str):  # every rank stops: rank 0 says the line

@@ -137,19 +137,27 @@ def test_a_kill_of_the_sampler_or_the_trainer_loses_nothing(tiny_model, train_fi
 def test_a_sampler_that_never_runs_ahead_is_the_synchronous_run(tiny_model, train_file, tmp_path):
     """T = 0 drains from the start: every batch is drawn at its own step, by the sampler process's engine, with mu
     from its copy; the run, its evaluations included, is the one vLLM in the trainer's process gives."""
-    from tests.test_runs import comparable
-
     runs = {}
     for overlap in (False, True):
         out = tmp_path / f"overlap-{overlap}"
         remix.train(tiny_args(tiny_model, train_file, out, sampler="vllm", overlap=overlap, reincarnate_step=0,
                               eval_every=2, eval_limit=2, eval_benchmarks=("math500", "amc23")))
-        runs[overlap] = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(out)]
+        runs[overlap] = read_metrics(out)
     assert [r["step"] for r in runs[True]] == [0, 1, 2, 3] and runs[True][1]["batch/staleness"] == 0.0
-    for sync, overlapped in zip(runs[False], runs[True]):  # the engine's own log-probs (mismatch/*): on the
-        for key in [k for k in sync if k.startswith("mismatch/")]:  # sampler's one thread, equal to 1e-6
-            assert overlapped.pop(key) == pytest.approx(sync.pop(key), abs=1e-6), key
-        assert comparable(sync) == overlapped
+    same_run(runs[False], runs[True])  # the engine's own log-probs: on the sampler's one thread
+
+
+def same_run(sync: list[dict], overlapped: list[dict]):
+    """Row by row, the metrics (but wall-clock) to comparable()'s tolerance, and the engine's own log-probs against
+    mu (mismatch/*) to 1e-6."""
+    from tests.test_runs import comparable
+
+    assert len(sync) == len(overlapped)
+    for want, got in zip(sync, overlapped):
+        want, got = ({k: v for k, v in row.items() if not k.startswith("perf/")} for row in (want, got))
+        for key in [k for k in want if k.startswith("mismatch/")]:
+            assert got.pop(key) == pytest.approx(want.pop(key), abs=1e-6), key
+        assert comparable(want) == got
 
 
 @pytest.mark.long
@@ -160,7 +168,7 @@ def test_under_torchrun_a_sampler_that_never_runs_ahead_is_the_synchronous_run(t
     share and mu came from the sharded policy: each rank's prompts and responses, token for token (the tiny model's
     near-uniform log-probs hardly tell one pairing from another), and the floats to comparable()'s tolerance (the
     sharded forward and the copy's sum in another order; vLLM's own log-probs against mu, mismatch/*, to 1e-6)."""
-    from tests.test_runs import comparable, torchrun
+    from tests.test_runs import torchrun
 
     runs, batches = {}, {}
     for overlap in (False, True):
@@ -170,14 +178,11 @@ def test_under_torchrun_a_sampler_that_never_runs_ahead_is_the_synchronous_run(t
                   "--eval-benchmarks", "math500", "amc23"]
         done = torchrun(str(ROOT / "tests" / "test_runs.py"), "batches", str(tmp_path), *flags)
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[overlap] = [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(out)]
+        runs[overlap] = read_metrics(out)
         batches[overlap] = [torch.load(tmp_path / f"batches-rank{r}.pt") for r in (0, 1)]
     assert [r["step"] for r in runs[True]] == [0, 1, 2, 3] and runs[True][1]["batch/fresh"] == 10
     assert batches[False] == batches[True] and batches[True][0] != batches[True][1]  # each rank its own share
-    for sync, overlapped in zip(runs[False], runs[True]):  # vLLM's own log-probs against mu: to 1e-6
-        for key in [k for k in sync if k.startswith("mismatch/")]:
-            assert overlapped.pop(key) == pytest.approx(sync.pop(key), abs=1e-6), key
-        assert comparable(sync) == overlapped
+    same_run(runs[False], runs[True])
 
 
 @pytest.mark.long
