@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +33,7 @@ from machinery import checkpoints, console, data, dist, engines, grader, models,
 from machinery.console import fail
 
 
-@dataclass
+@dataclasses.dataclass
 class EvalArgs:
     model: str | None = None
     """hub id or local folder of the model (a remix.py checkpoint folder works as it is)"""
