@@ -124,8 +124,7 @@ def protocol_runs(args: EvalArgs, names: list[str]) -> list[dict]:
 
 
 def check(args: EvalArgs):
-    """Every flag and input that can be checked before a model loads, each with one line."""
-    console.check_ranges(args)
+    """Every flag and input that can be checked before a model loads (the ranges: main's), each with one line."""
     if args.protocol == "custom" and args.n > 1 and args.temperature == 0:
         fail("--n > 1 needs --temperature > 0: greedy samples are all the same")
     if args.protocol != "custom" and (args.n, args.temperature, args.top_p) != (1, 0.0, 1.0):
@@ -323,11 +322,11 @@ def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
     console.catch_interrupts()
     dist.init()
+    console.check_ranges(args)
     rank = dist.rank()  # read now: vLLM's engine, freed as evaluate returns, takes torchrun's process group with it
     if args.curves:
         return draw(args.curves, args.out)
     if args.regrade:
-        console.check_ranges(args)
         load_method(args.method)
         samples = read_samples(args.regrade)
         check_out(args)
