@@ -106,10 +106,6 @@ def load_method(path: str | None):
     return module
 
 
-def suffix_of(args: EvalArgs) -> str:
-    return args.prompt_suffix if args.prompt_suffix is not None else load_method(args.method).Args.prompt_suffix
-
-
 def protocol_runs(args: EvalArgs, names: list[str]) -> list[dict]:
     """The protocol as runs: a label, sampling settings, and how many seeded repetitions each benchmark gets."""
     if args.protocol == "paper":  # the authors' README: greedy / temperature 0.1, the latter 32 runs on AIME and AMC
@@ -160,7 +156,8 @@ def settings_of(args: EvalArgs) -> dict:
     keys = ("model", "benchmarks", "data_dir", "hub", "protocol", "n", "temperature", "top_p", "max_tokens", "sampler",
             "limit", "system_prompt", "seed", "precision")
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(args).items() if k in keys}
-    return {**settings, "prompt_suffix": suffix_of(args), "method": load_method(args.method).METHOD.record()}
+    suffix = args.prompt_suffix if args.prompt_suffix is not None else load_method(args.method).Args.prompt_suffix
+    return {**settings, "prompt_suffix": suffix, "method": load_method(args.method).METHOD.record()}
 
 
 def stamp_of(settings: dict) -> str:
@@ -271,7 +268,7 @@ def evaluate(args: EvalArgs, saved: dict | None) -> list[dict]:
     sizes = {(r["label"], name): len(problems[name]) * r["n"] for r in runs for name in names}
     if not tokenizer.chat_template:
         console.say(f"{args.model} has no chat template: prompts are the problem and --prompt-suffix as plain text")
-    method, suffix = load_method(args.method).METHOD, suffix_of(args)
+    method, suffix = load_method(args.method).METHOD, settings_of(args)["prompt_suffix"]
     encode = data.template_guard(lambda problem: method.build_prompt(tokenizer, problem, suffix, args.system_prompt),
                                  args.model)
     prompts = {name: [encode(p["problem"]) for p in rows] for name, rows in problems.items()}
