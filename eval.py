@@ -319,10 +319,10 @@ def main(args: EvalArgs) -> dict:
     start = time.perf_counter()
     console.catch_interrupts()
     dist.init()
-    console.check_ranges(args)
     rank = dist.rank()  # read now: vLLM's engine, freed as evaluate returns, takes torchrun's process group with it
     if args.curves:
         return draw(args.curves, args.out)
+    console.check_ranges(args)
     if args.regrade:
         load_method(args.method)
         samples = read_samples(args.regrade)
