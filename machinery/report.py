@@ -230,7 +230,6 @@ class RunLog:
         self.active, self.out, self.failed, self.kept = dist.rank() == 0, out, False, kept
         if not self.active:
             return
-        runfolder.writes_into(out)
         self.files = {}
         for name in ("metrics", "completions"):
             path = os.path.join(out, f"{name}.jsonl")
