@@ -256,8 +256,6 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
     worker dies under it (SIGKILL, the OOM killer); the worker is replaced, as is one found dead between tasks. Every
     worker runs warm(*warm_args) once before its first item (no items: the workers started and warm); imports and
     warm-up never count against a deadline."""
-    if workers < 1 or timeout <= 0:
-        raise ValueError(f"map_with_deadline needs workers >= 1 and timeout > 0, got {workers} and {timeout}")
     task, warmup = reference(fn), warm and (reference(warm), tuple(warm_args))
     while len(_pool) < workers:
         _pool.append(Worker())
