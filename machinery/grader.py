@@ -19,8 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from multiprocessing import connection
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 # whole and math: degree signs with a temperature scale. math-verify reads `1950^\circ C` as 1950*C (and `°` not
 # at all); the degree sign alone it reads as nothing, so the scale letter goes: `1950^\circ C`, `1950°C`,
@@ -276,8 +275,8 @@ def map_with_deadline(fn, items: list[tuple], workers: int, timeout: float, on_t
                     todo[:0] = [worker.task] if worker.task != WARM else []
                     worker.kill()
                     _pool[i] = Worker()
-        wait = min(w.deadline for w in _pool) - time.monotonic()
-        readable = connection.wait([w.answers for w in _pool], max(min(wait, 1.0), 0.0))
+        left = min(w.deadline for w in _pool) - time.monotonic()
+        readable = wait([w.answers for w in _pool], max(min(left, 1.0), 0.0))
         for i, worker in enumerate(_pool):
             if worker.answers in readable:
                 try:
