@@ -29,6 +29,7 @@ SLEEP_TESTS = ("-m", "slow", "tests/test_sleep_mode.py::test_training_with_sleep
                "nothing")
 OVERLAP_TESTS = ("-m", "slow", "tests/test_overlap.py::test_each_fresh_batch_carries_the_version_and_mu_of_the_policy_"
                  "that_drew_it")
+BROADCAST_TESTS = ("tests/test_overlap.py::test_a_sampler_process_dying_under_the_weights_broadcast_ends_the_sending",)
 
 # name -> (file, exact original text, mutated text[, the tests that run instead of FAST_TESTS])
 MUTANTS = {
@@ -139,7 +140,13 @@ MUTANTS = {
     "overlap: mu from the trainer's policy, a step after the one that drew the batch": (
         "remix.py", "        todo = [s for s in fresh if key not in s]\n", "        todo = fresh\n", OVERLAP_TESTS),
     "overlap: the sampler's copy never given the weights that draw": (
-        "machinery/engines.py", '    served["copy"].load_state_dict(named)\n', "", OVERLAP_TESTS),
+        "machinery/engines.py", 'served["group"].broadcast(tensor, 0).wait()',
+        'served["group"].broadcast(tensor.clone(), 0).wait()', OVERLAP_TESTS),
+    "overlap: the weights' broadcast waited on with the sampler's death unchecked (NCCL waits on)": (
+        "machinery/engines.py", "        if not alive():\n", "        if False:\n", BROADCAST_TESTS),
+    "overlap: a broadcast that fails raises through the trainer": (
+        "machinery/engines.py", "    except RuntimeError:\n        return False\n",
+        "    except ZeroDivisionError:\n        return False\n", BROADCAST_TESTS),
     "overlap under torchrun: every rank given the whole batch, not its share": (
         "remix.py", "version, groups = drawn[0], drawn[1][first + offset :]",
         "version, groups = drawn", ("-m", "slow", "tests/test_overlap.py::test_under_torchrun_a_sampler_that_"

@@ -41,6 +41,18 @@ def init(timeout_minutes: float = 60.0, offload: bool = False) -> torch.device:
     _device[:] = [torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")]
     return _device[0]
 
+def side_group(port: int, rank: int, size: int, timeout_minutes: float):
+    """A process group of size processes beside this process's default one (which stays as it is), met at port on
+    this machine (rank 0 hosts the rendezvous): the backend torch's init_process_group builds for the device, made the
+    way it makes it (distributed_c10d, torch 2.11-2.14): gloo on CPUs, NCCL on GPUs, each with the timeout."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = torch_dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout, wait_for_workers=False)
+    if not torch.cuda.is_available():
+        return torch_dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = torch_dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return torch_dist.ProcessGroupNCCL(store, rank, size, options)
+
 def check_torch(version: str):
     """torch older than TORCH_RANGE is refused in one line; a newer one is warned about once, and the run goes on."""
     release = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())

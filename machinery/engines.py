@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import socket
+import time
 import traceback
 import types
 import warnings
@@ -240,6 +241,7 @@ def generate(sampler, tokenizer, prompts: list[list[int]], n: int, temperature: 
 # --overlap's sampler process (machinery/overlap.py starts it, with these settings of the run): its engine and its copy
 SERVED_SETTINGS = ("model", "precision", "seed", "vllm_gpu_memory_utilization", "max_tokens_per_micro_batch",
                    "dist_timeout", "overlap_gpus")
+WEIGHTS_PORT = "REMIX_WEIGHTS_PORT"  # where a sampler process meets trainer rank 0 (weights_group)
 
 def sampler_envs(args) -> list[dict]:
     """Each sampler process's devices and process group, on rank 0 (none elsewhere: rank 0 starts and feeds the
@@ -261,12 +263,21 @@ def sampler_envs(args) -> list[dict]:
         cores = len(os.sched_getaffinity(0))
         _set_threads(max(1, cores - cores // 2))
         devices = {"OMP_NUM_THREADS": str(max(1, cores // 2 // gpus))}
-    with socket.socket() as free:
+    with socket.socket() as free, socket.socket() as other:  # two at once: two ports
         free.bind(("127.0.0.1", 0))
-        port = str(free.getsockname()[1])
+        other.bind(("127.0.0.1", 0))
+        port, weights = str(free.getsockname()[1]), str(other.getsockname()[1])
     return [{**devices, "RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": str(gpus), "LOCAL_WORLD_SIZE": str(gpus),
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "False"}  # not torchrun's
-            for i in range(gpus)]
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "False",  # not torchrun's
+             WEIGHTS_PORT: weights} for i in range(gpus)]
+
+def weights_group(timeout_minutes: float, envs: list[dict] | None = None):
+    """The group the trainer's weights reach the sampler by, one broadcast a tensor (send_weights, serve_draw): trainer
+    rank 0 is its rank 0 (envs: sampler_envs', one a sampler process; none on the other ranks, which get None), and
+    sampler process r its rank r + 1 (envs None: in that process)."""
+    if envs is None:
+        return dist.side_group(int(os.environ[WEIGHTS_PORT]), dist.rank() + 1, dist.world() + 1, timeout_minutes)
+    return dist.side_group(int(envs[0][WEIGHTS_PORT]), 0, len(envs) + 1, timeout_minutes) if envs else None
 
 def serve(settings: dict, max_model_len: int) -> dict:
     """In a sampler process: its process group (one, or --overlap-gpus sharing one engine), its engine, and its copy
@@ -294,22 +305,36 @@ def shared(answer):
     answer = dist.broadcast(answer)
     return unpacked(answer) if isinstance(answer, bytes) else answer
 
-def packed_weights(policy, precision: str) -> bytes:
-    """The policy's full weights in the compute dtype, packed on rank 0 from host memory (every rank joins the gathers;
-    each sampler process loads them onto its own device)."""
-    named = {name: tensor.to("cpu", compute_dtype(precision)) for name, tensor in dist.full_tensors(policy)
-             if dist.rank() == 0}
-    return packed(named) if dist.rank() == 0 else b""
+def send_weights(group, policy, precision: str, alive):
+    """The policy's full weights in the compute dtype from trainer rank 0 to every sampler process, one broadcast over
+    group a tensor, in the state dict's order (every rank joins the gathers; group is None but on rank 0). Each is
+    waited for before the next is gathered; one that fails, or whose sampler dies under it (alive() false: on GPUs
+    NCCL would wait on), ends the sending, and the sampler's answer says what happened."""
+    for _, tensor in dist.full_tensors(policy):
+        if group is not None and not _sent(group.broadcast(tensor.to(compute_dtype(precision)).contiguous(), 0), alive):
+            group = None
+
+def _sent(work, alive) -> bool:
+    while not work.is_completed():
+        if not alive():
+            return False
+        time.sleep(0.001)
+    try:
+        work.wait()  # gloo raises here for a peer gone
+        return True
+    except RuntimeError:
+        return False
 
 @torch.no_grad()
-def serve_draw(served: dict, weights: bytes, prompts: list[list[int]], n: int, seeds: list[int], sampling: tuple,
+def serve_draw(served: dict, prompts: list[list[int]], n: int, seeds: list[int], sampling: tuple,
                with_mu: bool) -> bytes:
-    """In a sampler process: the weights into the engine and the copy, then vllm_generate's groups, each response
-    with its mu [L] last: served["logp"] on the copy, of the tokens the trainer stores (an empty response: the pad);
-    packed."""
-    named = unpacked(weights)
+    """In a sampler process: the trainer's weights (send_weights) into the copy, in place, and from it into the
+    engine; then vllm_generate's groups, each response with its mu [L] last: served["logp"] on the copy, of the tokens
+    the trainer stores (an empty response: the pad); packed."""
+    named = served["copy"].state_dict()  # the copy's own tensors, in the order the trainer sends them
+    for tensor in named.values():
+        served["group"].broadcast(tensor, 0).wait()
     push_tensors(served["llm"], named.items())
-    served["copy"].load_state_dict(named)
     groups = vllm_generate(served["llm"], prompts, n, seeds, *sampling, logprobs=with_mu)
     if with_mu:  # a tensor-parallel sampler's processes split the responses
         samples = [{"prompt_ids": prompt, "response_ids": ids or [served["pad"]]}

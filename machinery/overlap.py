@@ -3,10 +3,12 @@
 The process is a grader.Worker (a fresh interpreter, ended by the kernel with the trainer) holding a vLLM engine and a
 copy of the policy in the compute dtype; with --overlap-gpus N, N such processes share one tensor-parallel engine,
 each with a copy, and split the work of mu. The trainer's weights reach it with each batch it is asked to draw, so at
-a batch boundary only; it returns each response with mu, the method's log pi on the copy of the policy that drew it
-(Decision 22: the trainer's code on the sampler's weights, what a synchronous step stores). At most one batch is in
-flight: a save, an evaluation or the next draw waits for it, and a checkpoint holds it (its policy is gone). Under
-torchrun rank 0 starts and feeds the sampler, and every rank gets the whole batch drawn and takes its share.
+a batch boundary only, by one broadcast a tensor from trainer rank 0 to all its processes (engines.weights_group: gloo
+on CPUs, NCCL on GPUs) into their copies, from which their engine loads them; it returns each response with mu, the
+method's log pi on the copy of the policy that drew it (Decision 22: the trainer's code on the sampler's weights, what
+a synchronous step stores). At most one batch is in flight: a save, an evaluation or the next draw waits for it, and a
+checkpoint holds it (its policy is gone). Under torchrun rank 0 starts and feeds the sampler, and every rank gets the
+whole batch drawn and takes its share.
 """
 
 import contextlib
@@ -21,9 +23,13 @@ def _start(settings: dict, max_model_len: int, logp: tuple, pad: int):
     """In the sampler process: the engine and the copy (engines.serve), the method's log pi found by its reference."""
     _served.update(engines.serve(settings, max_model_len), logp=grader.resolve(logp), pad=pad)
 
-def _draw(weights: bytes, prompts: list[list[int]], n: int, seeds: list[int], sampling: tuple, with_mu: bool):
+def _join(timeout_minutes: float):
+    """In the sampler process: the group with trainer rank 0 that the weights arrive by."""
+    _served["group"] = engines.weights_group(timeout_minutes)
+
+def _draw(prompts: list[list[int]], n: int, seeds: list[int], sampling: tuple, with_mu: bool):
     """In the sampler process: the trainer's weights in, then n responses to each prompt (and their mu)."""
-    return engines.serve_draw(_served, weights, prompts, n, seeds, sampling, with_mu)
+    return engines.serve_draw(_served, prompts, n, seeds, sampling, with_mu)
 
 class Sampler:
     """The trainer's handle on the sampler process: draw() starts a step's batch with the policy's weights as they are
@@ -37,18 +43,22 @@ class Sampler:
         self.args, self.policy, self.n, self.sampling = args, policy, request[0], request[1:]
         self.in_flight, self.ready, self.kept = None, None, contextlib.ExitStack()
         self.kept.enter_context(engines.kept_threads())  # on a CPU the trainer's share of the cores, until close()
-        self.workers = [grader.Worker(env) for env in engines.sampler_envs(args)]  # none on ranks but 0
+        envs = engines.sampler_envs(args)
+        self.workers = [grader.Worker(env) for env in envs]  # none on ranks but 0
         settings = {name: getattr(args, name) for name in engines.SERVED_SETTINGS}
         self.send(_start, settings, max_model_len, grader.reference(logp), tokenizer.pad_token_id)
         self.answer("starting its engine")
+        self.send(_join, args.dist_timeout)  # started: now the group can wait for it without missing a death
+        self.group = engines.weights_group(args.dist_timeout, envs)
+        self.answer("joining the group the weights go by")
 
     def draw(self, step: int, prompts: list, version: int):
         """Step's batch, drawn from these prompts by the policy as it is now: pi_version, the trainer's at its step."""
         if self.in_flight is not None or self.ready is not None:
             raise RuntimeError(f"--overlap: step {(self.in_flight or self.ready[0])[0]}'s batch is not taken yet")
         seeds = [engines.request_seed(self.args.seed, step, i, self.n) for i in range(len(prompts))]
-        self.send(_draw, engines.packed_weights(self.policy, self.args.precision), [p.ids for p in prompts], self.n,
-                  seeds, self.sampling, True)
+        self.send(_draw, [p.ids for p in prompts], self.n, seeds, self.sampling, True)
+        self.push()
         self.in_flight = (step, prompts, version)
 
     def holds(self, step: int) -> bool:
@@ -89,9 +99,15 @@ class Sampler:
         """engines.vllm_generate's answer from the sampler's engine with the policy's weights now (an evaluation),
         after the batch in flight (engines.generate hands every rank all the prompts, as ranks of one engine)."""
         self.wait()
-        self.send(_draw, engines.packed_weights(self.policy, self.args.precision), prompts, n, seeds,
-                  (temperature, top_p, max_tokens), False)
+        self.send(_draw, prompts, n, seeds, (temperature, top_p, max_tokens), False)
+        self.push()
         return self.answer("generating an evaluation's responses")
+
+    def push(self):
+        """The policy's weights as they are now to every sampler process, by one broadcast a tensor from rank 0 (every
+        rank joins the gathers); a sampler process that dies under it ends the sending, and answer() says so."""
+        engines.send_weights(self.group, self.policy, self.args.precision,
+                             lambda: all(worker.proc.poll() is None for worker in self.workers))
 
     def send(self, task, *args):
         for worker in self.workers:

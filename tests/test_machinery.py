@@ -1,6 +1,6 @@
 """machinery/'s shape, read from its source: at most 13 files of at most 450 lines and 4,272 in all (4,000 and 3,872
 before --overlap, which may add 400 in one module), each opening with a one-line statement of its job; the product
-(every .py outside the tests, the toy and the benchmarks) at most 5,510 lines (5,217 before --overlap);
+(every .py outside the tests, the toy and the benchmarks) at most 5,630 lines (5,200, and 430 more for --overlap);
 machinery/__init__.py's map lists every module once, in an order where each imports only modules listed below it,
 counting every import, those inside functions too; no module imports remix; no import circle; at most 38 connected
 pairs of modules (35 before --overlap); the bottom module (what prints and ends a program) imports none of them. The walk is
@@ -15,7 +15,7 @@ import pytest
 from tests.common import ROOT
 
 MACHINERY = ROOT / "machinery"
-MAX_FILES, MAX_LINES, MAX_TOTAL, MAX_PRODUCT, MAX_PAIRS = 13, 450, 4272, 5510, 38
+MAX_FILES, MAX_LINES, MAX_TOTAL, MAX_PRODUCT, MAX_PAIRS = 13, 450, 4272, 5630, 38
 BOTTOM = "console"  # fail, say, progress, signals: the rank and a stopped run's line reach it as values
 
 

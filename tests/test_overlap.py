@@ -268,3 +268,59 @@ def test_the_sampler_takes_the_gpus_after_the_trainers_and_never_one_of_theirs(m
         engines.sampler_envs(SimpleNamespace(overlap_gpus=2))
     assert capsys.readouterr().err.startswith("remix: error: --overlap needs 2 GPU(s) for the sampler beside the "
                                               "trainers' 2, and this machine shows 3: the two would share one")
+
+
+RECEIVER = """import os, signal, sys
+from machinery import dist, models
+copy = models.pretrained(sys.argv[2], models.compute_dtype("bf16"))
+group = dist.side_group(int(sys.argv[1]), 1, 2, 0.5)
+for tensor in list(copy.state_dict().values())[:2]:  # two received, as a sampler process receives them
+    group.broadcast(tensor, 0).wait()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("nccl", [False, True])
+def test_a_sampler_process_dying_under_the_weights_broadcast_ends_the_sending(nccl, tiny_model):
+    """Trainer rank 0 broadcasts the weights a tensor at a time over the group it shares with the sampler's processes;
+    one killed after two tensors ends the sending (the run's line is then the sampler's answer's), the trainer waiting
+    on no broadcast. On CPUs gloo's broadcast to the dead process fails; NCCL's (GPU only, modelled here on the real
+    gloo group: ProcessGroupNCCL's work to a peer gone raises nothing and never completes, its watchdog's timeout
+    aside) would be waited on for --dist-timeout without the process's death checked beside it."""
+    import socket
+    import threading
+
+    from machinery import dist, engines
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(port), tiny_model], cwd=ROOT)
+    group, sent = dist.side_group(port, 0, 2, 0.5), []
+
+    class Work:  # NCCL's: done when the GPU is, and never for a peer gone
+        def __init__(self, work):
+            self.work = work
+
+        def is_completed(self):
+            return self.work.is_completed() and (not nccl or receiver.poll() is None)
+
+        def wait(self):
+            if nccl and receiver.poll() is not None:
+                threading.Event().wait()  # forever
+            return self.work.wait()
+
+    class Counted:
+        def broadcast(self, tensor, root):
+            sent.append(tensor.shape)
+            return Work(group.broadcast(tensor, root))
+
+    policy, returned = models.pretrained(tiny_model, torch.float32), []
+    sending = threading.Thread(daemon=True, target=lambda: returned.append(
+        engines.send_weights(Counted(), policy, "bf16", lambda: receiver.poll() is None)))
+    sending.start()
+    sending.join(60)
+    assert receiver.wait(60) == -signal.SIGKILL
+    assert not sending.is_alive(), "the trainer still waits on a broadcast to a process that is gone"
+    assert returned == [None], "the sending raised (its traceback above) instead of ending"
+    assert 2 < len(sent) < len(policy.state_dict()), (len(sent), len(policy.state_dict()))
