@@ -196,10 +196,6 @@ def write_jsonl(path: str, rows: list[dict], mode: str = "w"):
         f.flush()
         os.fsync(f.fileno())
 
-def check_logs(out: str):
-    """One line where a resumed run's log is a link (read as the run's own) or no regular file (a FIFO blocks)."""
-    runfolder.check_writes(out, [("metrics.jsonl", "append"), ("completions.jsonl", "append")])
-
 def read_jsonl_upto(path: str, done: int) -> list[str]:
     """The lines of a log whose step is at most done; one without a step (cut short, junk) is dropped with a note."""
     kept = []

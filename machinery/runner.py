@@ -130,7 +130,6 @@ class Session:
                 runfolder.lock(args.resume)  # first: a folder another job writes into is not read
             console.on_stop(lambda: f"while starting; {resume_line(args.resume)}")
             self.checkpoint, self.state, self.optim_state = checkpoints.latest(args.resume, type(args))
-            report.check_logs(args.resume)
             checkpoints.check_writer(args, self.state, self.written_by)
             done = self.state["progress"]["step"]
             args = checkpoints.resume_args(args, self.state["args"], done)
