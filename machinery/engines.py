@@ -290,20 +290,17 @@ def serve(settings: dict, max_model_len: int) -> dict:
     return {"llm": llm, "copy": copy, "budget": args.max_tokens_per_micro_batch}
 
 def packed(value) -> bytes:
-    """Tensors in lists, tuples and dicts as torch.save's bytes, read back by unpacked (weights only): what crosses the
+    """Tensors in lists, tuples and dicts as torch.save's bytes, read back by shared (weights only): what crosses the
     sampler's pipes (a tensor pickled there travels as a shared-memory handle only a forked process can open)."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
 
-def unpacked(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)
-
 def shared(answer):
-    """Rank 0's answer from the sampler on every rank, by one broadcast: packed bytes unpacked, anything else (None, a
+    """Rank 0's answer from the sampler on every rank, by one broadcast: packed bytes read back, anything else (None, a
     failure's line) as it is."""
     answer = dist.broadcast(answer)
-    return unpacked(answer) if isinstance(answer, bytes) else answer
+    return torch.load(io.BytesIO(answer), weights_only=True) if isinstance(answer, bytes) else answer
 
 def send_weights(group, policy, precision: str, alive):
     """The policy's full weights in the compute dtype from trainer rank 0 to every sampler process, one broadcast over

@@ -139,11 +139,8 @@ class Sampler:
         said = engines.shared(failure or answers.get(self.workers[0]) if self.workers else None)
         if isinstance(said, str):  # every rank stops: rank 0 says the line
             self.close()
-            self.stop(said)
+            console.fail(f"the sampler process (--overlap) {said}; {console.stopped_at()}")
         return said
-
-    def stop(self, happened: str):
-        console.fail(f"the sampler process (--overlap) {happened}; {console.stopped_at()}")
 
     def close(self):
         for worker in self.workers:
