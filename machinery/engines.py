@@ -274,10 +274,25 @@ def sampler_envs(args) -> list[dict]:
 def weights_group(timeout_minutes: float, envs: list[dict] | None = None):
     """The group the trainer's weights reach the sampler by, one broadcast a tensor (send_weights, serve_draw): trainer
     rank 0 is its rank 0 (envs: sampler_envs', one a sampler process; none on the other ranks, which get None), and
-    sampler process r its rank r + 1 (envs None: in that process)."""
-    if envs is None:
-        return dist.side_group(int(os.environ[WEIGHTS_PORT]), dist.rank() + 1, dist.world() + 1, timeout_minutes)
-    return dist.side_group(int(envs[0][WEIGHTS_PORT]), 0, len(envs) + 1, timeout_minutes) if envs else None
+    sampler process r its rank r + 1 (envs None: in that process). A first broadcast of one number forms NCCL's
+    communicator here, while the trainer watches the sampler, not inside the first push."""
+    if envs == []:
+        return None
+    rank, size = (0, len(envs) + 1) if envs else (dist.rank() + 1, dist.world() + 1)
+    group = dist.side_group(int((envs[0] if envs else os.environ)[WEIGHTS_PORT]), rank, size, timeout_minutes)
+    group.broadcast(torch.zeros(1, device=dist.device()), 0).wait()
+    return group
+
+def check_entries(policy, entries: list):
+    """The sampler's copy holds the policy's state dict entries, in its order and of its shapes: the broadcast matches
+    them by place. entries: the copy's (name, shape, dtype)."""
+    mine = [(name, tuple(tensor.shape)) for name, tensor in policy.state_dict().items()]
+    theirs = [(name, shape) for name, shape, _ in entries]
+    if mine != theirs:
+        at = next((i for i, pair in enumerate(zip(mine, theirs)) if pair[0] != pair[1]), min(len(mine), len(theirs)))
+        console.fail(f"the sampler's copy of the policy differs from the trainer's at state dict entry {at} (its "
+                     f"{theirs[at:at + 1] or 'end'}, the trainer's {mine[at:at + 1] or 'end'}): the weights' broadcast "
+                     f"matches the entries by place; run without --overlap")
 
 def serve(settings: dict, max_model_len: int) -> dict:
     """In a sampler process: its process group (one, or --overlap-gpus sharing one engine), its engine, and its copy
@@ -302,13 +317,13 @@ def shared(answer):
     answer = dist.broadcast(answer)
     return torch.load(io.BytesIO(answer), weights_only=True) if isinstance(answer, bytes) else answer
 
-def send_weights(group, policy, precision: str, alive):
-    """The policy's full weights in the compute dtype from trainer rank 0 to every sampler process, one broadcast over
-    group a tensor, in the state dict's order (every rank joins the gathers; group is None but on rank 0). Each is
-    waited for before the next is gathered; one that fails, or whose sampler dies under it (alive() false: on GPUs
-    NCCL would wait on), ends the sending, and the sampler's answer says what happened."""
-    for _, tensor in dist.full_tensors(policy):
-        if group is not None and not _sent(group.broadcast(tensor.to(compute_dtype(precision)).contiguous(), 0), alive):
+def send_weights(group, policy, dtypes: list, alive):
+    """The policy's full weights from trainer rank 0 to every sampler process, one broadcast over group a tensor in the
+    state dict's order, each in its dtype in the copy (every rank joins the gathers; group is None but on rank 0).
+    Each is waited for before the next is gathered; one that fails, or whose sampler dies or fails under it (alive()
+    false: on GPUs NCCL would wait on), ends the sending, and the sampler's answer says what happened."""
+    for (_, tensor), dtype in zip(dist.full_tensors(policy), dtypes):
+        if group is not None and not _sent(group.broadcast(tensor.to(dtype).contiguous(), 0), alive):
             group = None
 
 def _sent(work, alive) -> bool:

@@ -12,6 +12,7 @@ whole batch drawn and takes its share.
 """
 
 import contextlib
+import threading
 import time
 from multiprocessing import connection
 
@@ -23,9 +24,11 @@ def _start(settings: dict, max_model_len: int, logp: tuple, pad: int):
     """In the sampler process: the engine and the copy (engines.serve), the method's log pi found by its reference."""
     _served.update(engines.serve(settings, max_model_len), logp=grader.resolve(logp), pad=pad)
 
-def _join(timeout_minutes: float):
-    """In the sampler process: the group with trainer rank 0 that the weights arrive by."""
+def _join(timeout_minutes: float) -> list:
+    """In the sampler process: the group with trainer rank 0 that the weights arrive by; the copy's entries (name,
+    shape, dtype), which the trainer checks its own against and sends in."""
     _served["group"] = engines.weights_group(timeout_minutes)
+    return [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in _served["copy"].state_dict().items()]
 
 def _draw(prompts: list[list[int]], n: int, seeds: list[int], sampling: tuple, with_mu: bool):
     """In the sampler process: the trainer's weights in, then n responses to each prompt (and their mu)."""
@@ -48,9 +51,15 @@ class Sampler:
         settings = {name: getattr(args, name) for name in engines.SERVED_SETTINGS}
         self.send(_start, settings, max_model_len, grader.reference(logp), tokenizer.pad_token_id)
         self.answer("starting its engine")
-        self.send(_join, args.dist_timeout)  # started: now the group can wait for it without missing a death
-        self.group = engines.weights_group(args.dist_timeout, envs)
-        self.answer("joining the group the weights go by")
+        self.send(_join, args.dist_timeout)  # started: answer() watches it (a death, a failure) while the group forms
+        joined = []
+        joining = threading.Thread(target=lambda: joined.append(engines.weights_group(args.dist_timeout, envs)),
+                                   daemon=True)
+        joining.start()
+        self.entries = self.answer("joining the group the weights go by")
+        joining.join()
+        self.group = joined[0] if envs else None
+        engines.check_entries(policy, self.entries)
 
     def draw(self, step: int, prompts: list, version: int):
         """Step's batch, drawn from these prompts by the policy as it is now: pi_version, the trainer's at its step."""
@@ -105,9 +114,12 @@ class Sampler:
 
     def push(self):
         """The policy's weights as they are now to every sampler process, by one broadcast a tensor from rank 0 (every
-        rank joins the gathers); a sampler process that dies under it ends the sending, and answer() says so."""
-        engines.send_weights(self.group, self.policy, self.args.precision,
-                             lambda: all(worker.proc.poll() is None for worker in self.workers))
+        rank joins the gathers), once the task that receives them has started; a sampler process that dies or fails
+        under it (anything on its pipe but the task's answer, which only the weights let come) ends the sending, and
+        answer() says what happened."""
+        self.answer("starting to draw", started=True)
+        engines.send_weights(self.group, self.policy, [dtype for _, _, dtype in self.entries],
+                             lambda: not any(worker.answers.poll() for worker in self.workers))
 
     def send(self, task, *args):
         for worker in self.workers:
@@ -116,9 +128,10 @@ class Sampler:
             except OSError:  # its pipe is closed: it died, and answer() says how
                 pass
 
-    def answer(self, what: str):
-        """The sampler's answer to its one task (its first process's), on every rank, within --dist-timeout; a
-        failure, a death or a hang of any of its processes: one line, from rank 0."""
+    def answer(self, what: str, started: bool = False):
+        """The sampler's answer to its one task (its first process's; started: that each process has begun it), on
+        every rank, within --dist-timeout; a failure, a death or a hang of any of its processes: one line, from rank
+        0."""
         deadline, pending = time.monotonic() + self.args.dist_timeout * 60, list(self.workers)
         answers, failure = {}, None
         while pending and failure is None:
@@ -134,8 +147,9 @@ class Sampler:
                     break
                 if message[0] == "error":  # a refusal it printed (SystemExit) stands above
                     failure = f"failed while {what}: {(message[1].strip().splitlines() or [''])[0][:300]}"
-                elif message != "go":  # "go": it has started the task
-                    answers[worker], pending = message[1], [w for w in pending if w is not worker]
+                elif started or message != "go":  # "go": it has started the task
+                    answers[worker] = None if started else message[1]
+                    pending = [w for w in pending if w is not worker]
         said = engines.shared(failure or answers.get(self.workers[0]) if self.workers else None)
         if isinstance(said, str):  # every rank stops: rank 0 says the line
             self.close()

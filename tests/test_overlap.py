@@ -317,10 +317,30 @@ def test_a_sampler_process_dying_under_the_weights_broadcast_ends_the_sending(nc
 
     policy, returned = models.pretrained(tiny_model, torch.float32), []
     sending = threading.Thread(daemon=True, target=lambda: returned.append(
-        engines.send_weights(Counted(), policy, "bf16", lambda: receiver.poll() is None)))
+        engines.send_weights(Counted(), policy, [torch.bfloat16] * len(policy.state_dict()),
+                             lambda: receiver.poll() is None)))
     sending.start()
     sending.join(60)
     assert receiver.wait(60) == -signal.SIGKILL
     assert not sending.is_alive(), "the trainer still waits on a broadcast to a process that is gone"
     assert returned == [None], "the sending raised (its traceback above) instead of ending"
     assert 2 < len(sent) < len(policy.state_dict()), (len(sent), len(policy.state_dict()))
+
+
+def test_a_sampler_copy_whose_entries_differ_from_the_policy_is_refused_in_one_line(tiny_model, capsys):
+    """The broadcast matches the policy's state dict entries with the copy's by place: a copy that orders them
+    otherwise, or lacks one, would load wrong weights silently; the check at the sampler's start says where."""
+    from machinery import engines
+
+    policy = models.pretrained(tiny_model, torch.float32)
+    entries = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in policy.state_dict().items()]
+    engines.check_entries(policy, entries)  # the same: nothing said
+    assert capsys.readouterr().err == ""
+    for copy, at, its in [([entries[1], entries[0], *entries[2:]], 0, str([entries[1][:2]])),
+                          (entries[:-1], len(entries) - 1, "end")]:
+        with pytest.raises(SystemExit):
+            engines.check_entries(policy, copy)
+        assert capsys.readouterr().err == (
+            f"remix: error: the sampler's copy of the policy differs from the trainer's at state dict entry {at} (its "
+            f"{its}, the trainer's {[entries[at][:2]]}): the weights' broadcast matches the entries by place; run "
+            "without --overlap\n")
