@@ -56,10 +56,11 @@ class Sampler:
         joining = threading.Thread(target=lambda: joined.append(engines.weights_group(args.dist_timeout, envs)),
                                    daemon=True)
         joining.start()
-        self.entries = self.answer("joining the group the weights go by")
+        entries = self.answer("joining the group the weights go by")
         joining.join()
-        self.group = joined[0] if envs else None
-        engines.check_entries(policy, self.entries)
+        self.group = joined[0]  # None on ranks but 0
+        engines.check_entries(policy, entries)
+        self.dtypes = [dtype for _, _, dtype in entries]  # each tensor's in the copy
 
     def draw(self, step: int, prompts: list, version: int):
         """Step's batch, drawn from these prompts by the policy as it is now: pi_version, the trainer's at its step."""
@@ -118,7 +119,7 @@ class Sampler:
         under it (anything on its pipe but the task's answer, which only the weights let come) ends the sending, and
         answer() says what happened."""
         self.answer("starting to draw", started=True)
-        engines.send_weights(self.group, self.policy, [dtype for _, _, dtype in self.entries],
+        engines.send_weights(self.group, self.policy, self.dtypes,
                              lambda: not any(worker.answers.poll() for worker in self.workers))
 
     def send(self, task, *args):
